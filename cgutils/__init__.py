@@ -1,0 +1,20 @@
+"""cgutils: CUDA Graphs for PyTorch inference: capture/replay, timing, recorded results.
+
+Public API (re-exports only; each name lives in the module that owns it).
+"""
+
+from .capture import GraphInfo, GraphRunner, RunnerStats, max_rel_error
+from .diagnose import explain
+from .env import mode, provenance
+from .errors import CaptureError, CgutilsError, InputError, NoCudaError, RecordingError, StaleRecordingError
+from .recorded import ResultsStore, check_recordings, setup_notebook
+from .timing import Timing, device_sync, measure
+from .workloads import WORKLOADS, get_workload
+
+__all__ = [
+    "GraphRunner", "RunnerStats", "GraphInfo", "max_rel_error", "explain", "mode", "provenance",
+    "CaptureError", "CgutilsError", "InputError", "NoCudaError", "RecordingError", "StaleRecordingError",
+    "ResultsStore", "check_recordings", "setup_notebook", "Timing", "device_sync", "measure",
+    "WORKLOADS", "get_workload",
+]
+__version__ = "0.1.0"

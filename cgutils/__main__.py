@@ -1,0 +1,151 @@
+"""Command line: ``python -m cgutils {env, bench, record}``.
+
+* ``env``: device, mode and versions; the recordings available.
+* ``bench``: the speedup table. Measured on a CUDA GPU; without one, the recorded table and its
+  provenance (exit 0).
+* ``record``: on a CUDA GPU, execute every notebook live and record results into ``results/<gpu>/``;
+  ``record --check`` reports stale or missing recordings (exit 1 if any).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import env
+from .errors import CgutilsError
+
+SPEEDUP = "speedup"  # name of the speedup table in a results store
+
+
+def _print_summary(df, source: str) -> None:
+    import pandas as pd
+
+    from .bench import summary_table
+
+    summary = summary_table(df)
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
+        print(summary.to_string(index=False))
+    problems = df[df.status != "ok"]
+    for _, r in problems.iterrows():
+        print(f"  note: {r.workload} {r.dtype} {r.variant}: {r.status}")
+    print(f"Source: {source}")
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from .recorded import ResultsStore
+
+    prov = env.provenance()
+    print(f"mode: {env.mode()}")
+    for k, v in prov.items():
+        print(f"{k}: {v}")
+    print(f"recordings: {', '.join(ResultsStore.available()) or 'none'}")
+    return 0
+
+
+def _show_recorded(reason: str) -> int:
+    from .recorded import ResultsStore
+
+    store = ResultsStore()
+    df = store.load_frame(SPEEDUP)
+    print(f"{reason} Showing the table recorded on {store.meta().get('gpu')} ({store.path}).")
+    _print_summary(df, f"recorded on {env.describe(store.meta())}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .recorded import live_store
+
+    if not env.cuda_available() or env.mode() == "recorded":
+        return _show_recorded("No CUDA device visible: nothing measured here.")
+    store = live_store()
+    if args.show:
+        if (store.path / f"{SPEEDUP}.csv").exists():
+            _print_summary(store.load_frame(SPEEDUP), f"measured on {env.describe(store.meta())}")
+            return 0
+        return _show_recorded(f"No live table in {store.path} yet (run `make run`).")
+    from .bench import speedup_table
+
+    df = speedup_table(args.workloads, args.dtypes, args.variants, budget_s=args.budget)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        df.to_csv(out, index=False)
+        print(f"wrote {out}")
+    else:
+        store.write_meta()
+        print(f"wrote {store.save_frame(SPEEDUP, df)}")
+    _print_summary(df, f"measured now on {env.describe(env.provenance())}")
+    return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from .recorded import check_recordings
+
+    if args.check:
+        statuses = check_recordings()
+        for s in statuses:
+            print(f"{s.status:8s} {s.notebook} / {s.key}" + (f": {s.detail}" if s.detail and args.verbose else ""))
+        bad = [s for s in statuses if s.status != "ok"]
+        print(f"{len(statuses) - len(bad)} of {len(statuses)} recorded cells are current.")
+        return 1 if bad else 0
+    if not env.cuda_available():
+        print("record needs a CUDA GPU (none visible). Recorded mode needs no re-recording: "
+              "`python -m cgutils record --check` tells whether the recordings are current.")
+        return 2
+    import nbformat
+    from nbclient import NotebookClient
+    from tqdm.auto import tqdm
+
+    os.environ["CGUTILS_RECORD"] = "1"  # the kernels inherit it
+    nb_dir = env.REPO_ROOT / "notebooks"
+    out_dir = env.REPO_ROOT / "build" / "notebooks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [nb_dir / f"{n}.ipynb" for n in args.notebooks] if args.notebooks else sorted(nb_dir.glob("*.ipynb"))
+    failed = []
+    for p in tqdm(paths, desc="recording notebooks"):
+        nb = nbformat.read(p, as_version=4)
+        try:
+            NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
+                           resources={"metadata": {"path": str(nb_dir)}}).execute()
+        except Exception as exc:  # keep going: record what can be recorded, report the rest
+            failed.append(f"{p.name}: {type(exc).__name__}: {str(exc)[-500:]}")
+        nbformat.write(nb, out_dir / p.name)
+    for f in failed:
+        print(f"FAILED {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .bench import VARIANTS
+    from .workloads import DTYPES, WORKLOADS
+
+    parser = argparse.ArgumentParser(prog="python -m cgutils", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("env", help="device, mode, versions").set_defaults(func=cmd_env)
+    b = sub.add_parser("bench", help="the speedup table (recorded table without CUDA)")
+    b.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None)
+    b.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "fp16"])
+    b.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    b.add_argument("--budget", type=float, default=2.0, help="timed seconds per row (default 2)")
+    b.add_argument("--out", help="write the long table as CSV here (default: the live store)")
+    b.add_argument("--show", action="store_true", help="print the latest table, do not measure")
+    b.set_defaults(func=cmd_bench)
+    r = sub.add_parser("record", help="re-record notebooks on a GPU, or --check recordings")
+    r.add_argument("--check", action="store_true")
+    r.add_argument("--verbose", "-v", action="store_true")
+    r.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
+    r.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
+    r.set_defaults(func=cmd_record)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CgutilsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The cgutils exception tree.
+
+Every error cgutils raises on purpose derives from :class:`CgutilsError`, so a caller can catch the
+whole family in one ``except``. Each message says what happened, the likely cause and the fix.
+"""
+
+from __future__ import annotations
+
+
+class CgutilsError(Exception):
+    """Root of every error raised by cgutils."""
+
+
+class InputError(CgutilsError, ValueError):
+    """An argument given to a cgutils object cannot be used (wrong device, dtype, rank, or value)."""
+
+
+class CaptureError(CgutilsError, RuntimeError):
+    """CUDA graph capture failed, or the replayed graph disagrees with eager execution.
+
+    Attributes:
+        original: the exception raised during capture, if any.
+        explanation: cause and fix in words.
+        max_rel_error: for a validation failure, the largest relative error found (else ``None``).
+    """
+
+    def __init__(self, message: str, *, original: BaseException | None = None,
+                 explanation: str = "", max_rel_error: float | None = None):
+        super().__init__(message)
+        self.original = original
+        self.explanation = explanation
+        self.max_rel_error = max_rel_error
+
+
+class RecordingError(CgutilsError):
+    """A recording in ``results/`` is missing or unreadable."""
+
+
+class StaleRecordingError(RecordingError):
+    """A notebook cell changed since its outputs were recorded on a GPU: re-record with ``make record``."""
+
+
+class NoCudaError(CgutilsError, RuntimeError):
+    """The operation needs a CUDA device and none is visible."""

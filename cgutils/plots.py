@@ -1,0 +1,107 @@
+"""Figures for the speedup table, written to ``figures/`` as PNG and SVG.
+
+Every function takes the DataFrames that :mod:`cgutils.bench` returns, so the same code draws live
+measurements and recorded ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from . import env
+
+FIGURES = env.REPO_ROOT / "figures"
+COLORS = {"eager": "#7f7f7f", "graph_runner": "#76b900", "raw_graph": "#1f77b4", "compile_ro": "#ff7f0e",
+          "article": "#000000"}
+
+
+def save_figure(fig, name: str, folder: Path | str | None = None) -> list[Path]:
+    """Save ``fig`` as ``<folder>/<name>.png`` (150 dpi) and ``.svg``; returns the paths.
+
+    Metadata that changes per run (software version, date) is left out so that re-drawing the same
+    data gives the same files.
+    """
+    folder = Path(folder) if folder is not None else FIGURES
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{name}.png", folder / f"{name}.svg"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    return paths
+
+
+def speedup_bars(summary, title: str = ""):
+    """Graph speedup over eager per workload (bars per variant), the source article's A100 speedup as
+    a black tick. One panel per dtype. ``summary`` is :func:`cgutils.bench.summary_table`'s output."""
+    variants = [v for v in ("graph_runner", "raw_graph", "compile_ro") if f"{v}_speedup" in summary]
+    dtypes = list(dict.fromkeys(summary["dtype"]))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
+    width = 0.8 / max(1, len(variants))
+    for ax, dtype in zip(axes[0], dtypes, strict=False):
+        part = summary[summary["dtype"] == dtype].reset_index(drop=True)
+        xs = range(len(part))
+        for i, v in enumerate(variants):
+            ax.bar([x + (i - (len(variants) - 1) / 2) * width for x in xs], part[f"{v}_speedup"],
+                   width, label=_label(v), color=COLORS[v])
+        ax.scatter(list(xs), part["article_speedup"], marker="_", s=600, color=COLORS["article"],
+                   linewidths=2.5, label="source article, A100 (graph)", zorder=3)
+        ax.axhline(1.0, color="#444", lw=0.8, ls="--")
+        ax.set_xticks(list(xs), [w.replace("-", "-\n", 1) for w in part["workload"]], fontsize=8)
+        ax.set_title(f"{dtype}, batch 1")
+        ax.set_ylabel("speedup over eager (x)")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def latency_bars(summary, title: str = ""):
+    """Median latency (ms, log scale) per workload and variant, one panel per dtype."""
+    variants = [v for v in ("eager", "graph_runner", "raw_graph", "compile_ro") if v in summary]
+    dtypes = list(dict.fromkeys(summary["dtype"]))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
+    width = 0.8 / max(1, len(variants))
+    for ax, dtype in zip(axes[0], dtypes, strict=False):
+        part = summary[summary["dtype"] == dtype].reset_index(drop=True)
+        xs = range(len(part))
+        for i, v in enumerate(variants):
+            ax.bar([x + (i - (len(variants) - 1) / 2) * width for x in xs], part[v], width,
+                   label=_label(v), color=COLORS[v])
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), [w.replace("-", "-\n", 1) for w in part["workload"]], fontsize=8)
+        ax.set_title(f"{dtype}, batch 1")
+        ax.set_ylabel("median latency per iteration (ms)")
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def speedup_vs_ops(summary, variant: str = "graph_runner", title: str = ""):
+    """Speedup of ``variant`` against GPU activities per forward (log x): launch-bound work gains most."""
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    per_forward = summary["gpu_ops_per_forward"]
+    for dtype, marker in (("fp32", "o"), ("fp16", "s")):
+        m = summary["dtype"] == dtype
+        ax.scatter(per_forward[m], summary.loc[m, f"{variant}_speedup"], marker=marker, s=50,
+                   color=COLORS[variant], edgecolor="k", label=dtype)
+        for x, y, w in zip(per_forward[m], summary.loc[m, f"{variant}_speedup"], summary.loc[m, "workload"], strict=False):
+            ax.annotate(w, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.axhline(1.0, color="#444", lw=0.8, ls="--")
+    ax.set_xlabel("GPU activities per forward (kernels + copies)")
+    ax.set_ylabel(f"{_label(variant)} speedup over eager (x)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _label(v: str) -> str:
+    from .bench import VARIANT_LABELS
+
+    return VARIANT_LABELS.get(v, v)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# All GPU work of a session in one run (DESIGN.md, "Recording on the GPU"): GPU tests, then
+# `make record`, then pack results/, figures/ and the executed notebooks into $OUT.
+#
+# Usage on the lent GPU machine, from the repo root, with the wheels of .whl/ installed on PYTHONPATH:
+#   CGUTILS_GIT_COMMIT=<sha> bash scripts/gpu_session.sh [smoke|full]
+# `smoke` runs the GPU tests and a short benchmark only; `full` (default) records everything.
+set -uo pipefail
+what=${1:-full}
+out=${OUT:-build/out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+step environment
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -m cgutils env
+
+step "GPU tests"
+python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log"
+
+if [ "$what" = smoke ]; then
+  step "short benchmark"
+  python3 -m cgutils bench --dtypes fp16 --budget 0.3 --out "$out/smoke_speedup.csv" 2>&1 | tee "$out/smoke_bench.log"
+  exit 0
+fi
+
+step "make record"
+make record PY=python3 2>&1 | tee "$out/record.log"
+
+step "pack"
+tar czf "$out/recorded.tar.gz" results figures build/notebooks build/live 2>/dev/null || tar czf "$out/recorded.tar.gz" results figures build/notebooks
+ls -la "$out"
