@@ -20,17 +20,21 @@ from .errors import CgutilsError
 SPEEDUP = "speedup"  # name of the speedup table in a results store
 
 
-def _print_summary(df, source: str) -> None:
+def _print_summary(df, source: str, prov: dict | None = None, markdown: bool = False) -> None:
     import pandas as pd
 
-    from .bench import summary_table
+    from .bench import markdown_table, summary_table
+
+    if markdown:
+        print(markdown_table(df, prov or {}))
+        return
 
     summary = summary_table(df)
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
         print(summary.to_string(index=False))
     problems = df[df.status != "ok"]
     for _, r in problems.iterrows():
-        print(f"  note: {r.workload} {r.dtype} {r.variant}: {r.status}")
+        print(f"  note: {r['workload']} {r['dtype']} {r['variant']}: {r['status']}")
     print(f"Source: {source}")
 
 
@@ -45,13 +49,14 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show_recorded(reason: str) -> int:
+def _show_recorded(reason: str, markdown: bool = False) -> int:
     from .recorded import ResultsStore
 
     store = ResultsStore()
-    df = store.load_frame(SPEEDUP)
-    print(f"{reason} Showing the table recorded on {store.meta().get('gpu')} ({store.path}).")
-    _print_summary(df, f"recorded on {env.describe(store.meta())}")
+    df, meta = store.load_frame(SPEEDUP), store.meta()
+    if not markdown:
+        print(f"{reason} Showing the table recorded on {meta.get('gpu')} ({store.path}).")
+    _print_summary(df, f"recorded on {env.describe(meta)}", meta, markdown)
     return 0
 
 
@@ -59,13 +64,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .recorded import live_store
 
     if not env.cuda_available() or env.mode() == "recorded":
-        return _show_recorded("No CUDA device visible: nothing measured here.")
+        return _show_recorded("No CUDA device visible: nothing measured here.", args.markdown)
     store = live_store()
     if args.show:
         if (store.path / f"{SPEEDUP}.csv").exists():
-            _print_summary(store.load_frame(SPEEDUP), f"measured on {env.describe(store.meta())}")
+            _print_summary(store.load_frame(SPEEDUP), f"measured on {env.describe(store.meta())}",
+                           store.meta(), args.markdown)
             return 0
-        return _show_recorded(f"No live table in {store.path} yet (run `make run`).")
+        return _show_recorded(f"No live table in {store.path} yet (run `make run`).", args.markdown)
     from .bench import speedup_table
 
     df = speedup_table(args.workloads, args.dtypes, args.variants, budget_s=args.budget)
@@ -77,7 +83,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         store.write_meta()
         print(f"wrote {store.save_frame(SPEEDUP, df)}")
-    _print_summary(df, f"measured now on {env.describe(env.provenance())}")
+    prov = env.provenance()
+    _print_summary(df, f"measured now on {env.describe(prov)}", prov, args.markdown)
     return 0
 
 
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--budget", type=float, default=2.0, help="timed seconds per row (default 2)")
     b.add_argument("--out", help="write the long table as CSV here (default: the live store)")
     b.add_argument("--show", action="store_true", help="print the latest table, do not measure")
+    b.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     b.set_defaults(func=cmd_bench)
     r = sub.add_parser("record", help="re-record notebooks on a GPU, or --check recordings")
     r.add_argument("--check", action="store_true")

@@ -197,3 +197,34 @@ def summary_table(df) -> Any:
     out["article_speedup"] = art["article_eager_ms"] / art["article_graph_ms"]
     out["gpu_ops_per_forward"] = art["gpu_ops"] / art["forwards"]
     return out.reset_index()
+
+
+def markdown_table(df, prov: dict) -> str:
+    """The README's results table: per workload and dtype, eager and graph latencies (ms), speedups,
+    and the source article's A100 figures; followed by a provenance line from ``prov``."""
+    from .env import describe
+
+    s = summary_table(df)
+
+    def ms(v):
+        return "n/a" if v != v else f"{v:.2f}"
+
+    def x(v):
+        return "n/a" if v != v else f"{v:.2f}×"
+
+    rows = []
+    for _, r in s.iterrows():
+        rows.append({
+            "workload": r["workload"], "dtype": r["dtype"],
+            "eager ms": ms(r.get("eager", float("nan"))),
+            "GraphRunner ms": ms(r.get("graph_runner", float("nan"))),
+            "speedup": x(r.get("graph_runner_speedup", float("nan"))),
+            "raw graph ms": ms(r.get("raw_graph", float("nan"))),
+            "compile (reduce-overhead) ms": ms(r.get("compile_ro", float("nan"))),
+            "article A100": f"{ms(r['article_a100_eager_ms'])} → {ms(r['article_a100_graph_ms'])} ms "
+                            f"({x(r['article_speedup'])})",
+        })
+    import pandas as pd
+
+    table = pd.DataFrame(rows).to_markdown(index=False)
+    return f"{table}\n\nMeasured on {describe(prov)}; batch 1, median of CUDA-event timings."

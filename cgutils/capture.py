@@ -118,12 +118,11 @@ def _bind_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple
     return [leaf for name, value in bound.items() for leaf in tree_leaves(value, name)]
 
 
-def check_inputs(leaves: list[tuple[str, Any]], reference: list[ArgSpec] | None,
-                 *, strict: bool = True) -> list[ArgSpec]:
-    """Check argument leaves against the specs of the first call; return the specs of these leaves.
+def check_inputs(specs: list[ArgSpec], reference: list[ArgSpec] | None, *, strict: bool = True) -> None:
+    """Check the argument specs of a call against those of the first call.
 
     Args:
-        leaves: ``(name, leaf)`` pairs from the current call.
+        specs: one :class:`ArgSpec` per argument leaf of the current call (``ArgSpec.of``).
         reference: specs from the first call, or ``None`` on the first call.
         strict: when true, a change of dtype or rank of a tensor argument is an error; when false it
             only leads to a new graph.
@@ -133,14 +132,13 @@ def check_inputs(leaves: list[tuple[str, Any]], reference: list[ArgSpec] | None,
             non-tensor or vice versa; a changed dtype, rank or device (strict); a changed non-tensor
             value. The message names the argument and the fix.
     """
-    specs = [ArgSpec.of(n, leaf) for n, leaf in leaves]
     for s in specs:
         if s.is_tensor and s.device.type != "cuda":
             raise InputError(
                 f"argument {s.name!r} is a tensor on {s.device}; CUDA graphs replay on the GPU and read "
                 f"inputs from GPU memory. Move it first: {s.name}.to('cuda')")
     if reference is None:
-        return specs
+        return
     ref_names = [r.name for r in reference]
     names = [s.name for s in specs]
     if names != ref_names:
@@ -173,7 +171,6 @@ def check_inputs(leaves: list[tuple[str, Any]], reference: list[ArgSpec] | None,
             raise InputError(
                 f"argument {s.name!r} has {s.ndim} dimensions but had {r.ndim} at the first call; "
                 f"reshape it, or pass strict=False to capture another graph for this rank")
-    return specs
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -339,9 +336,12 @@ class GraphRunner:
         self._spec: list[ArgSpec] | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._replays = 0
-        if isinstance(fn, nn.Module) and fn.training:
-            warnings.warn("GraphRunner got a module in training mode: dropout would be frozen into the "
-                          "graph and validation would fail. Call model.eval() first.", stacklevel=2)
+        if isinstance(fn, nn.Module) and fn.training and any(
+                isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm))
+                for m in fn.modules()):
+            warnings.warn("GraphRunner got a module in training mode with dropout or batch norm: their "
+                          "random masks and batch statistics would be frozen into the graph and validation "
+                          "would fail. Call model.eval() first.", stacklevel=2)
 
     @property
     def stats(self) -> RunnerStats:
@@ -355,7 +355,8 @@ class GraphRunner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = _bind_names(self.fn, args, kwargs)
-        specs = check_inputs(leaves, self._spec, strict=self.strict)
+        specs = [ArgSpec.of(n, leaf) for n, leaf in leaves]
+        check_inputs(specs, self._spec, strict=self.strict)
         if not torch.cuda.is_available():
             raise NoCudaError("GraphRunner needs a CUDA device and none is visible "
                               "(torch.cuda.is_available() is False); call the model eagerly instead")

@@ -73,12 +73,24 @@ def git_commit() -> str | None:
         return None
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (it issues every kernel launch, so launch overhead depends on it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def provenance() -> dict:
     """Facts that identify a measurement: GPU, driver, CUDA, library versions, date and commit.
 
     Returns:
         dict with keys ``gpu``, ``gpu_count``, ``driver``, ``cuda``, ``torch``, ``torchvision``,
-        ``transformers``, ``python``, ``platform``, ``date`` (UTC, ISO 8601), ``git_commit``. GPU
+        ``transformers``, ``python``, ``platform``, ``cpu``, ``cpu_count``, ``date`` (UTC, ISO 8601),
+        ``git_commit``. GPU
         fields are ``None`` on a machine without CUDA.
     """
     has_cuda = cuda_available()
@@ -92,6 +104,8 @@ def provenance() -> dict:
         "transformers": _version("transformers"),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
     }

@@ -35,7 +35,7 @@ def speedup_bars(summary, title: str = ""):
     """Graph speedup over eager per workload (bars per variant), the source article's A100 speedup as
     a black tick. One panel per dtype. ``summary`` is :func:`cgutils.bench.summary_table`'s output."""
     variants = [v for v in ("graph_runner", "raw_graph", "compile_ro") if f"{v}_speedup" in summary]
-    dtypes = list(dict.fromkeys(summary["dtype"]))
+    dtypes = _dtypes(summary)
     fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
     width = 0.8 / max(1, len(variants))
     for ax, dtype in zip(axes[0], dtypes, strict=False):
@@ -50,17 +50,14 @@ def speedup_bars(summary, title: str = ""):
         ax.set_xticks(list(xs), [w.replace("-", "-\n", 1) for w in part["workload"]], fontsize=8)
         ax.set_title(f"{dtype}, batch 1")
         ax.set_ylabel("speedup over eager (x)")
-    axes[0][0].legend(fontsize=7, loc="upper left")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    _legend_below(fig, axes[0][0], title)
     return fig
 
 
 def latency_bars(summary, title: str = ""):
     """Median latency (ms, log scale) per workload and variant, one panel per dtype."""
     variants = [v for v in ("eager", "graph_runner", "raw_graph", "compile_ro") if v in summary]
-    dtypes = list(dict.fromkeys(summary["dtype"]))
+    dtypes = _dtypes(summary)
     fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
     width = 0.8 / max(1, len(variants))
     for ax, dtype in zip(axes[0], dtypes, strict=False):
@@ -73,10 +70,7 @@ def latency_bars(summary, title: str = ""):
         ax.set_xticks(list(xs), [w.replace("-", "-\n", 1) for w in part["workload"]], fontsize=8)
         ax.set_title(f"{dtype}, batch 1")
         ax.set_ylabel("median latency per iteration (ms)")
-    axes[0][0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    _legend_below(fig, axes[0][0], title)
     return fig
 
 
@@ -99,6 +93,19 @@ def speedup_vs_ops(summary, variant: str = "graph_runner", title: str = ""):
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _dtypes(summary) -> list[str]:
+    order = {"fp32": 0, "fp16": 1}
+    return sorted(dict.fromkeys(summary["dtype"]), key=lambda d: order.get(d, 9))
+
+
+def _legend_below(fig, ax, title: str) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
 
 
 def _label(v: str) -> str:

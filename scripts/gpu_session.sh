@@ -26,7 +26,7 @@ if [ "$what" = smoke ]; then
 fi
 
 step "make record"
-make record PY=python3 2>&1 | tee "$out/record.log"
+if command -v make >/dev/null; then make record PY=python3; else python3 -m cgutils record && python3 -m cgutils record --check; fi 2>&1 | tee "$out/record.log"
 
 step "pack"
 tar czf "$out/recorded.tar.gz" results figures build/notebooks build/live 2>/dev/null || tar czf "$out/recorded.tar.gz" results figures build/notebooks

@@ -1,0 +1,149 @@
+"""GraphRunner's input checks, output trees and error explanations: all testable without a GPU."""
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+import cgutils as cg
+from cgutils.capture import ArgSpec, check_inputs, tree_leaves, tree_map
+
+CUDA = torch.device("cuda", 0)
+
+
+def spec(name, dtype=torch.int64, ndim=2, device=CUDA):
+    return ArgSpec(name, True, dtype, ndim, device)
+
+
+def test_cpu_tensor_is_named():
+    with pytest.raises(cg.InputError, match=r"'input_ids' is a tensor on cpu.*input_ids.to\('cuda'\)"):
+        check_inputs([spec("input_ids", device=torch.device("cpu"))], None)
+
+
+def test_graph_runner_rejects_cpu_tensors_before_touching_cuda():
+    runner = cg.GraphRunner(torch.nn.Linear(4, 4))
+    with pytest.raises(cg.InputError, match="'input' is a tensor on cpu"):
+        runner(torch.randn(1, 4))
+
+
+def test_no_cuda_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(cg.NoCudaError, match="needs a CUDA device"):
+        cg.GraphRunner(lambda: 1)()
+
+
+def test_dtype_change_is_named_with_fix():
+    ref = [spec("input_ids"), spec("attention_mask")]
+    with pytest.raises(cg.InputError, match=r"'attention_mask' has dtype torch.float32.*strict=False"):
+        check_inputs([spec("input_ids"), spec("attention_mask", dtype=torch.float32)], ref)
+
+
+def test_rank_change_is_named():
+    with pytest.raises(cg.InputError, match="'x' has 3 dimensions but had 2"):
+        check_inputs([spec("x", ndim=3)], [spec("x")])
+
+
+def test_non_strict_allows_new_dtype_and_rank():
+    check_inputs([spec("x", dtype=torch.float16, ndim=3)], [spec("x")], strict=False)
+
+
+def test_changed_non_tensor_argument_is_named():
+    ref = [spec("x"), ArgSpec("use_cache", False, value=False)]
+    with pytest.raises(cg.InputError, match="'use_cache' was False at capture and is now True.*baked"):
+        check_inputs([spec("x"), ArgSpec("use_cache", False, value=True)], ref)
+
+
+def test_changed_argument_set_is_reported():
+    with pytest.raises(cg.InputError, match=r"missing: \['mask'\], new: \['other'\]"):
+        check_inputs([spec("x"), spec("other")], [spec("x"), spec("mask")])
+
+
+def test_tensor_becoming_value_is_reported():
+    with pytest.raises(cg.InputError, match="'x' was a tensor at capture and is now 3"):
+        check_inputs([ArgSpec("x", False, value=3)], [spec("x")])
+
+
+def test_other_device_is_reported():
+    with pytest.raises(cg.InputError, match="on cuda:1 but was captured on cuda:0"):
+        check_inputs([spec("x", device=torch.device("cuda", 1))], [spec("x")])
+
+
+def test_argument_names_come_from_the_signature():
+    from cgutils.capture import _bind_names
+
+    def f(input_ids, attention_mask=None, *, scale=1.0):
+        return input_ids
+
+    names = [n for n, _ in _bind_names(f, (torch.ones(1),), {"attention_mask": torch.ones(1), "scale": 2.0})]
+    assert names == ["input_ids", "attention_mask", "scale"]
+    names = [n for n, _ in _bind_names(torch.nn.Linear(2, 2), (torch.ones(2),), {})]
+    assert names == ["input"]
+
+
+def test_constructor_errors():
+    with pytest.raises(cg.InputError, match="callable"):
+        cg.GraphRunner(3)
+    with pytest.raises(cg.InputError, match="warmup must be >= 1"):
+        cg.GraphRunner(lambda x: x, warmup=0)
+
+
+def test_training_mode_warns():
+    with pytest.warns(UserWarning, match="eval"):
+        cg.GraphRunner(torch.nn.Dropout(0.1))
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    extra: tuple
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_tree_map_rebuilds_nested_outputs():
+    from transformers.modeling_outputs import BaseModelOutput
+
+    t = torch.ones(2)
+    nest = {"m": BaseModelOutput(last_hidden_state=t), "d": Out(t, (t, 1)), "p": Pair(t, [t, "s"])}
+    doubled = tree_map(lambda x: x * 2, nest)
+    assert isinstance(doubled["m"], BaseModelOutput) and torch.equal(doubled["m"].last_hidden_state, t * 2)
+    assert isinstance(doubled["d"], Out) and doubled["d"].extra[1] == 1
+    assert isinstance(doubled["p"], Pair) and doubled["p"].b[1] == "s"
+    assert torch.equal(doubled["p"].b[0], t * 2)
+    paths = [p for p, leaf in tree_leaves(nest) if isinstance(leaf, torch.Tensor)]
+    assert paths == ["output['m']['last_hidden_state']", "output['d'].logits", "output['d'].extra[0]",
+                     "output['p'][0]", "output['p'][1][0]"]
+
+
+def test_max_rel_error():
+    a = torch.tensor([1.0, 2.0, 4.0])
+    assert cg.max_rel_error(a, a.clone()) == 0.0
+    assert cg.max_rel_error(a + torch.tensor([0.0, 0.0, 0.04]), a) == pytest.approx(0.01)
+    assert cg.max_rel_error(torch.tensor([1, 2]), torch.tensor([1, 3])) == float("inf")
+    with pytest.raises(cg.InputError, match="shape"):
+        cg.max_rel_error(torch.ones(2), torch.ones(3))
+
+
+# error texts as PyTorch 2.11 / CUDA 13 print them
+@pytest.mark.parametrize("text, needle", [
+    ("CUDA error: operation not permitted when stream is capturing", ".item()"),
+    ("CUDA error: operation failed due to a previous error during capture\n"
+     "cudaErrorStreamCaptureInvalidated", "invalidated"),
+    ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", "default stream"),
+    ("Attempting to capture with a CPU generator", "eval()"),
+])
+def test_explain_known_capture_errors(text, needle):
+    why = cg.explain(RuntimeError(text))
+    assert why is not None and needle in (why.cause + why.fix)
+
+
+def test_explain_unknown_returns_none():
+    assert cg.explain("something else entirely") is None
+
+
+def test_exception_tree():
+    for exc in (cg.CaptureError, cg.InputError, cg.StaleRecordingError, cg.NoCudaError, cg.RecordingError):
+        assert issubclass(exc, cg.CgutilsError)
+    assert issubclass(cg.StaleRecordingError, cg.RecordingError)
