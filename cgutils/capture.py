@@ -282,6 +282,32 @@ def max_rel_error(actual: Any, expected: Any) -> float:
     return worst
 
 
+def pool_reserved_bytes(pool: Any) -> int:
+    """Bytes the caching allocator has reserved (cudaMalloc'd segments) for one graph memory pool.
+
+    Read from ``torch.cuda.memory_snapshot()``: the segments whose ``segment_pool_id`` is ``pool``.
+    This counts the pool alone, unlike ``torch.cuda.memory_reserved()``, which also moves when the
+    default pool grows or when segments of released graph pools are returned.
+    """
+    key = tuple(pool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id") or ()) == key)
+
+
+def _reset_rng_after_failed_capture() -> None:
+    # When capture fails, PyTorch raises before its default CUDA generators leave capture mode, and
+    # every later random op then fails with "Offset increment outside graph capture". A clone of a
+    # generator state keeps seed and offset but not the capture flag (CUDAGeneratorState::clone in
+    # ATen/cuda/CUDAGeneratorImpl.cpp), so installing one restores normal eager use.
+    for i in range(torch.cuda.device_count()):
+        gen = torch.cuda.default_generators[i]
+        if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
+            try:
+                gen.graphsafe_set_state(gen.clone_state())
+            except RuntimeError:
+                pass
+
+
 # --- the runner ------------------------------------------------------------------------------------
 
 
@@ -398,12 +424,13 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-        reserved_before = torch.cuda.memory_reserved()
+        pool_before = pool_reserved_bytes(self._pool)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
                 static_out = self.fn(*s_args, **s_kwargs)
         except Exception as exc:
+            _reset_rng_after_failed_capture()
             why = explain(exc)
             raise CaptureError(
                 f"CUDA graph capture of {self!r} failed: {type(exc).__name__}: {exc}\n"
@@ -411,7 +438,7 @@ class GraphRunner:
                    "torch.cuda.set_sync_debug_mode('error') to find syncs."),
                 original=exc, explanation=str(why or "")) from exc
         torch.cuda.synchronize()
-        pool_bytes = max(0, torch.cuda.memory_reserved() - reserved_before)
+        pool_bytes = max(0, pool_reserved_bytes(self._pool) - pool_before)
 
         rel = None
         if self.validate:

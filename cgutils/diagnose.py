@@ -69,10 +69,13 @@ def explain(exc: BaseException | str) -> Explanation | None:
     Returns:
         The first matching :class:`Explanation`, or ``None`` when the text matches no known pattern.
     """
-    text = str(exc) if not isinstance(exc, str) else exc
-    chain = exc.__cause__ if isinstance(exc, BaseException) else None
-    if chain is not None:
-        text += "\n" + str(chain)
+    text = str(exc)
+    seen = 0
+    while isinstance(exc, BaseException) and seen < 10:  # the first failure is often in the chain
+        exc = exc.__cause__ or exc.__context__
+        if exc is not None:
+            text += "\n" + str(exc)
+        seen += 1
     for pattern, cause, fix in _RULES:
         if re.search(pattern, text, flags=re.IGNORECASE):
             return Explanation(cause, fix, pattern)

@@ -113,3 +113,21 @@ def test_measure_uses_cuda_events():
     x = torch.randn(1024, 1024, device="cuda")
     t = cg.measure(lambda: x @ x, warmup=3, iters=20)
     assert t.clock == "cuda_event" and t.n == 20 and 0 < t.p10_ms <= t.median_ms <= t.p90_ms
+
+
+def test_failed_capture_leaves_cuda_usable():
+    """Regression: a failed capture left the CUDA RNG in capture mode, so torch.randn failed after it."""
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(cg.CaptureError) as info:
+        cg.GraphRunner(lambda t: t * t.sum().item())(x)  # .item() syncs: illegal during capture
+    assert info.value.original is not None and ".item()" in info.value.explanation
+    torch.randn(8, device="cuda")  # raised "Offset increment outside graph capture" before the fix
+    assert torch.equal(cg.GraphRunner(lambda t: t * 2)(x), x * 2)
+
+
+def test_pool_bytes_counts_only_this_pool():
+    pool = torch.cuda.graph_pool_handle()
+    runner = cg.GraphRunner(torch.nn.Linear(1024, 1024).cuda().eval(), pool=pool)
+    before = cg.capture.pool_reserved_bytes(pool)
+    runner(torch.randn(64, 1024, device="cuda"))
+    assert before == 0 and cg.capture.pool_reserved_bytes(pool) == runner.stats.graphs[0].pool_bytes > 0
