@@ -1,0 +1,32 @@
+"""The committed recordings are current and the README shows exactly the recorded table."""
+
+import re
+
+from cgutils import env
+from cgutils.bench import markdown_table
+from cgutils.recorded import ResultsStore, check_recordings
+
+README = env.REPO_ROOT / "README.md"
+
+
+def test_every_recorded_cell_is_current():
+    bad = [s for s in check_recordings(env.REPO_ROOT / "notebooks", ResultsStore("nvidia-h200",
+                                                                                 env.REPO_ROOT / "results"))
+           if s.status != "ok"]
+    assert not bad, "\n".join(f"{s.notebook}/{s.key}: {s.status}: {s.detail}" for s in bad)
+
+
+def test_recording_has_provenance():
+    meta = ResultsStore("nvidia-h200", env.REPO_ROOT / "results").meta()
+    for key in ("gpu", "driver", "cuda", "torch", "transformers", "date", "git_commit"):
+        assert meta.get(key), f"meta.json lacks {key}"
+    assert meta["gpu"] == "NVIDIA H200"
+
+
+def test_readme_table_matches_the_recording():
+    store = ResultsStore("nvidia-h200", env.REPO_ROOT / "results")
+    expected = markdown_table(store.load_frame("speedup"), store.meta())
+    m = re.search(r"<!-- speedup-table:begin -->\n(.*?)\n<!-- speedup-table:end -->", README.read_text(), re.S)
+    assert m, "README.md lacks the speedup-table markers"
+    assert m.group(1).strip() == expected.strip(), (
+        "README table differs from results/: paste the output of `python -m cgutils bench --markdown`")
