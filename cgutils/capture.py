@@ -308,6 +308,52 @@ def _reset_rng_after_failed_capture() -> None:
                 pass
 
 
+def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
+                  on_last_warmup: Callable[[Any], None] | None = None,
+                  what: str = "function") -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up on a side stream, then capture one call of it into a CUDA graph.
+
+    Args:
+        fn: a callable with no arguments that only touches tensors at fixed addresses.
+        warmup: eager calls before capture (>= 1), on a side stream.
+        pool: memory-pool handle to capture into (``torch.cuda.graph_pool_handle()``); ``None`` for a
+            private one.
+        on_last_warmup: called with the output of the last warm-up call (e.g. to keep a reference).
+        what: name used in error messages.
+
+    Returns:
+        ``(graph, static_output)``: the output tensors live in the pool and are rewritten by each
+        ``graph.replay()``.
+
+    Raises:
+        CaptureError: capture failed; ``.original`` holds the error, ``.explanation`` cause and fix.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(warmup):
+            out = fn()
+        if on_last_warmup is not None:
+            on_last_warmup(out)
+        del out
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            static_out = fn()
+    except Exception as exc:
+        _reset_rng_after_failed_capture()
+        why = explain(exc)
+        raise CaptureError(
+            f"CUDA graph capture of {what} failed: {type(exc).__name__}: {exc}\n"
+            + (str(why) if why else "No known pattern matched; run the function eagerly under "
+               "torch.cuda.set_sync_debug_mode('error') to find syncs."),
+            original=exc, explanation=str(why or "")) from exc
+    torch.cuda.synchronize()
+    return graph, static_out
+
+
 # --- the runner ------------------------------------------------------------------------------------
 
 
@@ -414,30 +460,16 @@ class GraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(self.warmup):
-                eager_out = self.fn(*s_args, **s_kwargs)
-            expected = tree_map(torch.clone, eager_out) if self.validate else None
-            del eager_out
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        kept: dict[str, Any] = {}
+
+        def keep_reference(out: Any) -> None:
+            if self.validate:
+                kept["expected"] = tree_map(torch.clone, out)
 
         pool_before = pool_reserved_bytes(self._pool)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-                static_out = self.fn(*s_args, **s_kwargs)
-        except Exception as exc:
-            _reset_rng_after_failed_capture()
-            why = explain(exc)
-            raise CaptureError(
-                f"CUDA graph capture of {self!r} failed: {type(exc).__name__}: {exc}\n"
-                + (str(why) if why else "No known pattern matched; run the function eagerly under "
-                   "torch.cuda.set_sync_debug_mode('error') to find syncs."),
-                original=exc, explanation=str(why or "")) from exc
-        torch.cuda.synchronize()
+        graph, static_out = capture_graph(lambda: self.fn(*s_args, **s_kwargs), warmup=self.warmup,
+                                          pool=self._pool, on_last_warmup=keep_reference, what=repr(self))
+        expected = kept.get("expected")
         pool_bytes = max(0, pool_reserved_bytes(self._pool) - pool_before)
 
         rel = None

@@ -112,3 +112,54 @@ def _label(v: str) -> str:
     from .bench import VARIANT_LABELS
 
     return VARIANT_LABELS.get(v, v)
+
+
+def decoder_bars(gen, title: str = ""):
+    """One generate call (ms, log scale) per decoder, labelled with tokens/s."""
+    from .bench import DECODER_LABELS
+
+    ok = gen[gen.status == "ok"].reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    colors = ["#7f7f7f", "#bcbd22", "#1f77b4", "#76b900", "#ff7f0e"]
+    ax.barh([DECODER_LABELS.get(d, d) for d in ok.decoder], ok.median_ms, color=colors[: len(ok)])
+    for y, (ms, tps) in enumerate(zip(ok.median_ms, ok.tokens_per_s, strict=True)):
+        ax.annotate(f" {ms:.0f} ms, {tps:.0f} tok/s", (ms, y), va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("one generate call, median (ms, log scale)")
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def step_latency(steps, title: str = ""):
+    """Per-token decode latency (ms) over the steps of one generation, one line per mode."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for mode, part in steps.groupby("mode", sort=False):
+        ax.plot(part.step, part.ms * 1e3, label=mode, color=COLORS["graph_runner" if mode == "graph" else "eager"])
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("latency per token (µs)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def batch_throughput(sweep, title: str = ""):
+    """Tokens per second against batch size, per mode; batch buckets marked."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for mode, part in sweep.groupby("mode", sort=False):
+        ax.plot(part.batch, part.tokens_per_s, marker="o", label=mode,
+                color=COLORS["graph_runner" if mode == "graph" else "eager"])
+    for b in sorted(set(sweep.bucket)):
+        ax.axvline(b, color="#ccc", lw=0.8, zorder=0)
+    ax.set_xlabel("batch size (grey lines: batch buckets)")
+    ax.set_ylabel("generated tokens per second")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -3,10 +3,12 @@
 # `make record`, then pack results/, figures/ and the executed notebooks into $OUT.
 #
 # Usage on the lent GPU machine, from the repo root, with the wheels of .whl/ installed on PYTHONPATH:
-#   CGUTILS_GIT_COMMIT=<sha> bash scripts/gpu_session.sh [smoke|full]
-# `smoke` runs the GPU tests and a short benchmark only; `full` (default) records everything.
+#   CGUTILS_GIT_COMMIT=<sha> bash scripts/gpu_session.sh [smoke|full] [NOTEBOOK ...]
+# `smoke` runs the GPU tests and a short benchmark only; `full` (default) records every notebook, or
+# only the notebooks named (file stems) after it.
 set -uo pipefail
 what=${1:-full}
+shift || true
 out=${OUT:-build/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -26,7 +28,13 @@ if [ "$what" = smoke ]; then
 fi
 
 step "make record"
-if command -v make >/dev/null; then make record PY=python3; else python3 -m cgutils record && python3 -m cgutils record --check; fi 2>&1 | tee "$out/record.log"
+if [ $# -gt 0 ]; then
+  { python3 -m cgutils record --notebooks "$@"; python3 -m cgutils record --check; } 2>&1 | tee "$out/record.log"
+elif command -v make >/dev/null; then
+  make record PY=python3 2>&1 | tee "$out/record.log"
+else
+  { python3 -m cgutils record; python3 -m cgutils record --check; } 2>&1 | tee "$out/record.log"
+fi
 
 step "pack"
 tar czf "$out/recorded.tar.gz" results figures build/notebooks build/live 2>/dev/null || tar czf "$out/recorded.tar.gz" results figures build/notebooks

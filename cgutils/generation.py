@@ -1,0 +1,230 @@
+"""Greedy GPT-2 decoding with a static KV cache, so that one CUDA graph replays every decode step.
+
+Why a static cache: transformers' default (dynamic) cache grows by one position per token, so each
+decode step has new shapes and new addresses, and a graph captured for one step cannot replay the
+next. Here the cache is preallocated as ``(layers, batch, heads, max_len, head_dim)`` and written in
+place at a position held in a GPU tensor; attention reads the whole cache under a mask built from that
+tensor. Every step then has the same shapes and addresses, and the step's argmax, cache write and
+position increment all happen on the GPU, so one ``graph.replay()`` produces one token with no CPU
+work besides the launch.
+
+The model is transformers' ``GPT2LMHeadModel`` (its modules and weights are reused as they are); the
+attention math follows its ``GPT2Attention`` (scaled dot product, scale ``1/sqrt(head_dim)``, causal).
+Batches are padded up to a batch-size bucket and the cache length to a length bucket, so a handful of
+graphs serve every request.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .capture import capture_graph
+from .errors import InputError
+
+BATCH_BUCKETS = (1, 2, 4, 8)
+LENGTH_BUCKETS = (128, 256, 512, 1024)
+MODES = ("eager", "graph", "compile")
+
+
+def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise InputError(f"{what} {n} is larger than the largest bucket {buckets[-1]}; pass larger buckets "
+                     f"(e.g. {what.replace(' ', '_')}_buckets=(..., {n}))")
+
+
+class StaticKVState(nn.Module):
+    """The static KV cache and decode state of one (batch bucket, length bucket).
+
+    Buffers (all on the model's device):
+        k_cache, v_cache: ``(layers, batch, heads, max_len, head_dim)``, model dtype.
+        pos: ``(1,)`` int64, position of ``token`` (the next input).
+        token: ``(batch, 1)`` int64, the last generated token.
+        generated: ``(batch, max_len)`` int64, prompt followed by generated tokens.
+    """
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int):
+        super().__init__()
+        cfg = model.config
+        if max_len > cfg.n_positions:
+            raise InputError(f"max_len {max_len} exceeds GPT-2's {cfg.n_positions} positions")
+        p = next(model.parameters())
+        self.model = model
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        shape = (cfg.n_layer, batch, cfg.n_head, max_len, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=p.dtype, device=p.device))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=p.dtype, device=p.device))
+        self.register_buffer("pos", torch.zeros(1, dtype=torch.int64, device=p.device))
+        self.register_buffer("token", torch.zeros(batch, 1, dtype=torch.int64, device=p.device))
+        self.register_buffer("generated", torch.zeros(batch, max_len, dtype=torch.int64, device=p.device))
+        self.register_buffer("key_pos", torch.arange(max_len, device=p.device))
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run ``tokens`` (B, T) at ``positions`` (T,) through GPT-2, writing their keys and values into
+        the cache; returns logits (B, T, vocab) in the model dtype."""
+        tr = self.model.transformer
+        B, T = tokens.shape
+        x = tr.wte(tokens) + tr.wpe(positions)[None]  # (B, T, C)
+        mask = self.key_pos[None, :] <= positions[:, None]  # (T, max_len): causal over the whole cache
+        for i, blk in enumerate(tr.h):
+            q, k, v = blk.attn.c_attn(blk.ln_1(x)).split(x.shape[-1], dim=2)  # each (B, T, C)
+            q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            self.k_cache[i].index_copy_(2, positions, k)
+            self.v_cache[i].index_copy_(2, positions, v)
+            att = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask)
+            x = x + blk.attn.c_proj(att.transpose(1, 2).reshape(B, T, -1))
+            x = x + blk.mlp(blk.ln_2(x))
+        return self.model.lm_head(tr.ln_f(x))  # (B, T, V)
+
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """Fill the cache with ``prompt`` (B, T) and set ``token`` to the first generated token."""
+        T = prompt.shape[1]
+        positions = self.key_pos[:T]
+        nxt = self.logits(prompt, positions)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        self.generated[:, :T] = prompt
+        self.generated[:, T : T + 1] = nxt
+        self.token.copy_(nxt)
+        self.pos.fill_(T)
+
+    def decode_step(self) -> torch.Tensor:
+        """One greedy token, entirely on the GPU (graph-safe: fixed shapes, no sync, no allocation
+        that outlives the step). Returns the new token (B, 1)."""
+        nxt = self.logits(self.token, self.pos)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
+        self.generated.index_copy_(1, self.pos + 1, nxt)
+        self.token.copy_(nxt)
+        self.pos.add_(1)
+        return nxt
+
+
+@dataclass
+class _Slot:
+    state: StaticKVState
+    step: Any  # callable advancing one token: graph.replay, a compiled step, or the eager step
+
+
+class GreedyDecoder:
+    """Greedy decoding of a GPT-2 ``GPT2LMHeadModel`` with a static KV cache.
+
+    Example::
+
+        dec = GreedyDecoder(model.cuda().half().eval(), mode="graph")
+        tokens = dec.generate(prompt_ids, max_new_tokens=100)   # (B, T + 100) int64
+
+    Args:
+        model: a transformers ``GPT2LMHeadModel`` in eval mode on a CUDA device (``"eager"`` also runs
+            on the CPU).
+        mode: ``"graph"`` (one CUDA graph replay per token), ``"eager"`` (the same step, launched kernel
+            by kernel), or ``"compile"`` (the step through ``torch.compile(mode="reduce-overhead")``).
+        batch_buckets: batch sizes a request is padded up to (rows repeated, outputs sliced back).
+        length_buckets: cache lengths; a request uses the smallest that holds prompt + new tokens.
+
+    Raises:
+        InputError: unknown mode; a CPU model in graph or compile mode; a request larger than the
+            largest bucket or GPT-2's position table.
+    """
+
+    def __init__(self, model: nn.Module, mode: str = "graph", *, batch_buckets=BATCH_BUCKETS,
+                 length_buckets=LENGTH_BUCKETS):
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+        device = next(model.parameters()).device
+        if mode != "eager" and device.type != "cuda":
+            raise InputError(f"mode={mode!r} needs the model on a CUDA device (it is on {device}); "
+                             f"move it with model.cuda() or use mode='eager'")
+        if model.training:
+            warnings.warn("GreedyDecoder got a model in training mode; call model.eval()", stacklevel=2)
+        self.model, self.mode = model, mode
+        self.batch_buckets, self.length_buckets = tuple(batch_buckets), tuple(length_buckets)
+        self._slots: dict[tuple[int, int], _Slot] = {}
+        self._pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
+
+    @property
+    def slots(self) -> list[tuple[int, int]]:
+        """(batch bucket, length bucket) pairs prepared so far (one graph each in graph mode)."""
+        return list(self._slots)
+
+    def _slot(self, batch: int, max_len: int, prompt_len: int) -> _Slot:
+        key = (batch, max_len)
+        if key in self._slots:
+            return self._slots[key]
+        state = StaticKVState(self.model, batch, max_len)
+        if self.mode == "eager":
+            slot = _Slot(state, state.decode_step)
+        elif self.mode == "compile":
+            slot = _Slot(state, torch.compile(state.decode_step, mode="reduce-overhead"))
+        else:
+            with torch.no_grad():
+                state.prefill(torch.zeros(batch, prompt_len, dtype=torch.int64, device=state.pos.device))
+            graph, _ = capture_graph(state.decode_step, warmup=3, pool=self._pool,
+                                     what=f"GPT-2 decode step (batch {batch}, cache {max_len})")
+            slot = _Slot(state, graph.replay)
+        self._slots[key] = slot
+        return slot
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int = 100, *,
+                 step_times: list | None = None) -> torch.Tensor:
+        """Greedy continuation of ``prompt``.
+
+        Args:
+            prompt: (B, T) int64 token ids on the model's device; all rows the same length.
+            max_new_tokens: tokens to generate (>= 1); the first comes from the prefill.
+            step_times: if a list is given, CUDA events time each decode step and their durations
+                (ms) are appended to it (adds a little overhead; CUDA only).
+
+        Returns:
+            (B, T + max_new_tokens) int64: the prompt followed by the generated tokens.
+
+        Raises:
+            InputError: wrong dtype, rank or device of ``prompt``; sizes beyond the buckets.
+        """
+        dev = self.model.lm_head.weight.device
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
+            raise InputError("prompt must be a (batch, length) int64 tensor of token ids, got "
+                             f"{getattr(prompt, 'dtype', type(prompt).__name__)} "
+                             f"with shape {tuple(getattr(prompt, 'shape', ()))}")
+        if prompt.device != dev:
+            raise InputError(f"prompt is on {prompt.device} but the model is on {dev}; use prompt.to({str(dev)!r})")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        b, T = prompt.shape
+        B = _bucket(b, self.batch_buckets, "batch size")
+        S = _bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens")
+        slot = self._slot(B, S, T)
+        padded = torch.cat([prompt, prompt[-1:].expand(B - b, T)]) if B > b else prompt
+        slot.state.prefill(padded)
+        events = []
+        for _ in range(max_new_tokens - 1):
+            if step_times is not None:
+                events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                events[-1][0].record()
+            slot.step()
+            if step_times is not None:
+                events[-1][1].record()
+        if events:
+            torch.cuda.synchronize()
+            step_times.extend(start.elapsed_time(end) for start, end in events)
+        return slot.state.generated[:b, : T + max_new_tokens].clone()
+
+
+def hf_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int = 100,
+                cache_implementation: str | None = None) -> torch.Tensor:
+    """transformers' own greedy ``generate``, for comparison: (B, T + max_new_tokens) int64.
+
+    End-of-sequence stopping is switched off (random weights emit EOS at arbitrary points), so
+    exactly ``max_new_tokens`` tokens are generated. ``cache_implementation="static"`` selects
+    transformers' static cache, which compiles the forward (transformers docs, "KV cache strategies").
+    """
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens,
+                              "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    if cache_implementation:
+        kwargs["cache_implementation"] = cache_implementation
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)

@@ -1,0 +1,110 @@
+"""Static-KV-cache greedy decoding: correctness against transformers on the CPU, errors, and GPU tests."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import cgutils as cg
+from cgutils.generation import GreedyDecoder, StaticKVState, hf_generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).eval()
+
+
+def test_eager_tokens_equal_transformers_greedy(tiny):
+    prompt = torch.randint(0, tiny.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(3))
+    ours = GreedyDecoder(tiny, mode="eager").generate(prompt, max_new_tokens=30)
+    assert ours.shape == (3, 39)
+    assert torch.equal(ours, hf_generate(tiny, prompt, 30))
+
+
+def test_batch_bucket_padding_is_sliced_off(tiny):
+    dec = GreedyDecoder(tiny, mode="eager")
+    prompt = torch.randint(0, tiny.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(4))
+    out = dec.generate(prompt, 10)
+    assert out.shape == (3, 15) and dec.slots == [(4, 128)]
+    assert torch.equal(out[1:2], dec.generate(prompt[1:2], 10))  # a row's answer does not depend on padding
+
+
+def test_static_cache_shapes_do_not_change(tiny):
+    state = StaticKVState(tiny, batch=1, max_len=16)
+    ptr, shape = state.k_cache.data_ptr(), state.k_cache.shape
+    with torch.no_grad():
+        state.prefill(torch.zeros(1, 4, dtype=torch.int64))
+        for _ in range(3):
+            state.decode_step()
+    assert int(state.pos) == 7 and state.k_cache.data_ptr() == ptr and state.k_cache.shape == shape
+
+
+def test_errors_are_clear(tiny):
+    with pytest.raises(cg.InputError, match="mode must be one of"):
+        GreedyDecoder(tiny, mode="fast")
+    with pytest.raises(cg.InputError, match="needs the model on a CUDA device"):
+        GreedyDecoder(tiny, mode="graph")
+    dec = GreedyDecoder(tiny, mode="eager")
+    with pytest.raises(cg.InputError, match="int64"):
+        dec.generate(torch.zeros(1, 4), 5)
+    with pytest.raises(cg.InputError, match=r"\(batch, length\)"):
+        dec.generate(torch.zeros(4, dtype=torch.int64), 5)
+    with pytest.raises(cg.InputError, match="batch size 9 is larger than the largest bucket 8"):
+        dec.generate(torch.zeros(9, 4, dtype=torch.int64), 5)
+    with pytest.raises(cg.InputError, match="prompt \\+ new tokens 1030"):
+        dec.generate(torch.zeros(1, 30, dtype=torch.int64), 1000)
+    with pytest.raises(cg.InputError, match="max_new_tokens must be >= 1"):
+        dec.generate(torch.zeros(1, 4, dtype=torch.int64), 0)
+
+
+# --- GPU (the lent H200) ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2_fp32():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config()).cuda().eval()
+
+
+def _prompt(seed, length=32, batch=1):
+    return torch.randint(0, 50257, (batch, length), generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+@pytest.mark.gpu
+def test_graph_tokens_equal_transformers_fp32(gpt2_fp32):
+    prompt = _prompt(1)
+    assert torch.equal(GreedyDecoder(gpt2_fp32, "graph").generate(prompt, 100), hf_generate(gpt2_fp32, prompt, 100))
+
+
+@pytest.mark.gpu
+def test_new_prompt_after_capture_gives_its_own_continuation(gpt2_fp32):
+    dec = GreedyDecoder(gpt2_fp32, "graph")
+    a, b = _prompt(1), _prompt(2)
+    dec.generate(a, 50)
+    assert torch.equal(dec.generate(b, 50), hf_generate(gpt2_fp32, b, 50))
+    assert dec.slots == [(1, 128)]  # one graph served both prompts
+
+
+@pytest.mark.gpu
+def test_fp16_logits_within_tolerance():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).cuda().half().eval()
+    prompt = _prompt(3)
+    state = StaticKVState(model, batch=1, max_len=128)
+    with torch.no_grad():
+        ours = state.logits(prompt, state.key_pos[:32]).float()
+        theirs = model(prompt).logits.float()
+    assert cg.max_rel_error(ours, theirs) <= 1e-2  # fp16: half-precision rounding of two attention paths
+
+
+@pytest.mark.gpu
+def test_no_memory_growth_over_1000_tokens(gpt2_fp32):
+    dec = GreedyDecoder(gpt2_fp32, "graph")
+    prompt = _prompt(4, length=16)
+    dec.generate(prompt, 1000)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = dec.generate(prompt, 1000)
+    del out
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
