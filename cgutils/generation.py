@@ -2,7 +2,7 @@
 
 Why a static cache: transformers' default (dynamic) cache grows by one position per token, so each
 decode step has new shapes and new addresses, and a graph captured for one step cannot replay the
-next. Here the cache is preallocated as ``(layers, batch, heads, max_len, head_dim)`` and written in
+next. Here the cache is preallocated as ``(layers, 2, batch, heads, max_len, head_dim)`` and written in
 place at a position held in a GPU tensor; attention reads the whole cache under a mask built from that
 tensor. Every step then has the same shapes and addresses, and the step's argmax, cache write and
 position increment all happen on the GPU, so one ``graph.replay()`` produces one token with no CPU
@@ -44,10 +44,17 @@ class StaticKVState(nn.Module):
     """The static KV cache and decode state of one (batch bucket, length bucket).
 
     Buffers (all on the model's device):
-        k_cache, v_cache: ``(layers, batch, heads, max_len, head_dim)``, model dtype.
+        kv_cache: ``(layers, 2, batch, heads, max_len, head_dim)``, model dtype: keys ``[:, 0]`` and
+            values ``[:, 1]``, side by side so that one in-place write per layer stores both.
         pos: ``(1,)`` int64, position of ``token`` (the next input).
         token: ``(batch, 1)`` int64, the last generated token.
         generated: ``(batch, max_len)`` int64, prompt followed by generated tokens.
+
+    The step launches as few kernels as the math allows, because inside a replayed graph each kernel
+    still costs a few microseconds of GPU scheduling: GELU is the fused ``F.gelu(approximate="tanh")``
+    (the same tanh formula as transformers' ``NewGELUActivation``, one kernel instead of eight),
+    keys and values are written with one ``index_copy_``, and the causal mask is an additive bias
+    built once per step.
     """
 
     def __init__(self, model: nn.Module, batch: int, max_len: int):
@@ -58,29 +65,31 @@ class StaticKVState(nn.Module):
         p = next(model.parameters())
         self.model = model
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
-        shape = (cfg.n_layer, batch, cfg.n_head, max_len, self.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=p.dtype, device=p.device))
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=p.dtype, device=p.device))
+        shape = (cfg.n_layer, 2, batch, cfg.n_head, max_len, self.head_dim)
+        self.register_buffer("kv_cache", torch.zeros(shape, dtype=p.dtype, device=p.device))
         self.register_buffer("pos", torch.zeros(1, dtype=torch.int64, device=p.device))
         self.register_buffer("token", torch.zeros(batch, 1, dtype=torch.int64, device=p.device))
         self.register_buffer("generated", torch.zeros(batch, max_len, dtype=torch.int64, device=p.device))
         self.register_buffer("key_pos", torch.arange(max_len, device=p.device))
+        self.register_buffer("_open", torch.zeros((), dtype=p.dtype, device=p.device))
+        self.register_buffer("_masked", torch.tensor(float("-inf"), dtype=p.dtype, device=p.device))
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run ``tokens`` (B, T) at ``positions`` (T,) through GPT-2, writing their keys and values into
         the cache; returns logits (B, T, vocab) in the model dtype."""
         tr = self.model.transformer
         B, T = tokens.shape
+        H, D = self.n_head, self.head_dim
         x = tr.wte(tokens) + tr.wpe(positions)[None]  # (B, T, C)
-        mask = self.key_pos[None, :] <= positions[:, None]  # (T, max_len): causal over the whole cache
+        # causal over the whole cache: key j is visible to the query at position p iff j <= p
+        bias = torch.where(self.key_pos[None, :] <= positions[:, None], self._open, self._masked)  # (T, S)
         for i, blk in enumerate(tr.h):
-            q, k, v = blk.attn.c_attn(blk.ln_1(x)).split(x.shape[-1], dim=2)  # each (B, T, C)
-            q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-            self.k_cache[i].index_copy_(2, positions, k)
-            self.v_cache[i].index_copy_(2, positions, v)
-            att = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=mask)
-            x = x + blk.attn.c_proj(att.transpose(1, 2).reshape(B, T, -1))
-            x = x + blk.mlp(blk.ln_2(x))
+            qkv = blk.attn.c_attn(blk.ln_1(x)).view(B, T, 3, H, D)
+            q = qkv[:, :, 0].transpose(1, 2)  # (B, H, T, D)
+            self.kv_cache[i].index_copy_(3, positions, qkv[:, :, 1:].permute(2, 0, 3, 1, 4))  # (2, B, H, T, D)
+            att = F.scaled_dot_product_attention(q, self.kv_cache[i, 0], self.kv_cache[i, 1], attn_mask=bias)
+            x = x + blk.attn.c_proj(att.transpose(1, 2).reshape(B, T, H * D))
+            x = x + blk.mlp.c_proj(F.gelu(blk.mlp.c_fc(blk.ln_2(x)), approximate="tanh"))
         return self.model.lm_head(tr.ln_f(x))  # (B, T, V)
 
     def prefill(self, prompt: torch.Tensor) -> None:

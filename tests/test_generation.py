@@ -31,12 +31,12 @@ def test_batch_bucket_padding_is_sliced_off(tiny):
 
 def test_static_cache_shapes_do_not_change(tiny):
     state = StaticKVState(tiny, batch=1, max_len=16)
-    ptr, shape = state.k_cache.data_ptr(), state.k_cache.shape
+    ptr, shape = state.kv_cache.data_ptr(), state.kv_cache.shape
     with torch.no_grad():
         state.prefill(torch.zeros(1, 4, dtype=torch.int64))
         for _ in range(3):
             state.decode_step()
-    assert int(state.pos) == 7 and state.k_cache.data_ptr() == ptr and state.k_cache.shape == shape
+    assert int(state.pos) == 7 and state.kv_cache.data_ptr() == ptr and state.kv_cache.shape == shape
 
 
 def test_errors_are_clear(tiny):
