@@ -1,8 +1,8 @@
 """Command line: ``python -m cgutils {env, bench, record}``.
 
 * ``env``: device, mode and versions; the recordings available.
-* ``bench``: the speedup table. Measured on a CUDA GPU; without one, the recorded table and its
-  provenance (exit 0).
+* ``bench [speedup|overhead|methods|generation]``: a benchmark suite. Measured on a CUDA GPU; without
+  one, the recorded tables and their provenance (exit 0).
 * ``record``: on a CUDA GPU, execute every notebook live and record results into ``results/<gpu>/``;
   ``record --check`` reports stale or missing recordings (exit 1 if any).
 """
@@ -16,8 +16,6 @@ from pathlib import Path
 
 from . import env
 from .errors import CgutilsError
-
-SPEEDUP = "speedup"  # name of the speedup table in a results store
 
 
 def _print_summary(df, source: str, prov: dict | None = None, markdown: bool = False) -> None:
@@ -49,42 +47,85 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show_recorded(reason: str, markdown: bool = False) -> int:
+# Each suite: the tables it writes to a results store (names shared with the notebooks' --save).
+SUITES = {
+    "speedup": ["speedup"],
+    "overhead": ["overhead_chain", "overhead_size", "launch_bound"],
+    "methods": ["graph_methods"],
+    "generation": ["generation"],
+}
+
+
+def _print_suite(suite: str, frames: dict, source: str, prov: dict, markdown: bool) -> None:
+    import pandas as pd
+
+    if suite == "speedup":
+        _print_summary(frames["speedup"], source, prov, markdown)
+        return
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
+        for name, df in frames.items():
+            print(f"\n{name}:")
+            print(df.to_markdown(index=False) if markdown else df.to_string(index=False))
+    if suite == "overhead":
+        from .overhead import crossover, fit_per_launch
+
+        fit = fit_per_launch(frames["overhead_chain"])
+        print(f"\nper eager launch: {fit['eager_slope_us']:.2f} µs; per replayed graph node: "
+              f"{fit['replay_slope_us']:.2f} µs (least-squares slopes)")
+        print(f"kernel size where GPU time equals one eager launch: "
+              f"{crossover(frames['overhead_size'], fit['eager_slope_us']):.3g} elements (fp32)")
+    print(f"Source: {source}")
+
+
+def _show_recorded(suite: str, reason: str, markdown: bool = False) -> int:
     from .recorded import ResultsStore
 
     store = ResultsStore()
-    df, meta = store.load_frame(SPEEDUP), store.meta()
+    meta = store.meta()
+    frames = {name: store.load_frame(name) for name in SUITES[suite]}
     if not markdown:
-        print(f"{reason} Showing the table recorded on {meta.get('gpu')} ({store.path}).")
-    _print_summary(df, f"recorded on {env.describe(meta)}", meta, markdown)
+        print(f"{reason} Showing the {suite} tables recorded on {meta.get('gpu')} ({store.path}).")
+    _print_suite(suite, frames, f"recorded on {env.describe(meta)}", meta, markdown)
     return 0
+
+
+def _measure_suite(suite: str, args: argparse.Namespace) -> dict:
+    from . import bench, overhead
+
+    if suite == "speedup":
+        return {"speedup": bench.speedup_table(args.workloads, args.dtypes, args.variants, budget_s=args.budget)}
+    if suite == "overhead":
+        return {"overhead_chain": overhead.chain_sweep(), "overhead_size": overhead.size_sweep(),
+                "launch_bound": overhead.launch_bound_table()}
+    if suite == "methods":
+        return {"graph_methods": bench.graph_methods_table()}
+    return {"generation": bench.generation_table()}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .recorded import live_store
 
     if not env.cuda_available() or env.mode() == "recorded":
-        return _show_recorded("No CUDA device visible: nothing measured here.", args.markdown)
+        return _show_recorded(args.suite, "No CUDA device visible: nothing measured here.", args.markdown)
     store = live_store()
     if args.show:
-        if (store.path / f"{SPEEDUP}.csv").exists():
-            _print_summary(store.load_frame(SPEEDUP), f"measured on {env.describe(store.meta())}",
-                           store.meta(), args.markdown)
+        if all((store.path / f"{n}.csv").exists() for n in SUITES[args.suite]):
+            frames = {n: store.load_frame(n) for n in SUITES[args.suite]}
+            _print_suite(args.suite, frames, f"measured on {env.describe(store.meta())}", store.meta(), args.markdown)
             return 0
-        return _show_recorded(f"No live table in {store.path} yet (run `make run`).", args.markdown)
-    from .bench import speedup_table
-
-    df = speedup_table(args.workloads, args.dtypes, args.variants, budget_s=args.budget)
-    out = Path(args.out) if args.out else None
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        df.to_csv(out, index=False)
+        return _show_recorded(args.suite, f"No live {args.suite} tables in {store.path} yet (run `make run`).",
+                              args.markdown)
+    frames = _measure_suite(args.suite, args)
+    prov = store.write_meta()
+    for name, df in frames.items():
+        if args.out:
+            out = Path(args.out) / f"{name}.csv"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            df.to_csv(out, index=False)
+        else:
+            out = store.save_frame(name, df)
         print(f"wrote {out}")
-    else:
-        store.write_meta()
-        print(f"wrote {store.save_frame(SPEEDUP, df)}")
-    prov = env.provenance()
-    _print_summary(df, f"measured now on {env.describe(prov)}", prov, args.markdown)
+    _print_suite(args.suite, frames, f"measured now on {env.describe(prov)}", prov, args.markdown)
     return 0
 
 
@@ -132,12 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cgutils", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="device, mode, versions").set_defaults(func=cmd_env)
-    b = sub.add_parser("bench", help="the speedup table (recorded table without CUDA)")
-    b.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None)
+    b = sub.add_parser("bench", help="benchmark suites (recorded tables without CUDA)")
+    b.add_argument("suite", nargs="?", choices=list(SUITES), default="speedup",
+                   help="speedup (default): eager vs graphs per workload; overhead: launch cost, kernel "
+                        "size, launch-bound fraction; methods: four ways to get a graph; generation: GPT-2 decoders")
+    b.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None, help="speedup suite only")
     b.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "fp16"])
     b.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     b.add_argument("--budget", type=float, default=2.0, help="timed seconds per row (default 2)")
-    b.add_argument("--out", help="write the long table as CSV here (default: the live store)")
+    b.add_argument("--out", help="folder for the CSV tables (default: the live store, build/live/<gpu>/)")
     b.add_argument("--show", action="store_true", help="print the latest table, do not measure")
     b.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     b.set_defaults(func=cmd_bench)

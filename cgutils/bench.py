@@ -23,6 +23,7 @@ import torch
 from . import env
 from .capture import GraphRunner
 from .errors import NoCudaError
+from .overhead import gpu_activity
 from .timing import measure
 from .workloads import WORKLOADS, Built, get_workload
 
@@ -65,17 +66,6 @@ class RawGraphs:
         return out
 
 
-def count_gpu_ops(run: Callable[[], Any]) -> int:
-    """GPU activities (kernels, memcpy, memset) that one call of ``run`` issues, from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 def _variant_step(variant: str, built: Built) -> Callable[..., Any] | str:
     """The step implementation for a variant, or a string saying why it is skipped."""
     if variant == "eager":
@@ -102,7 +92,7 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, bar)
     inputs = built.inputs(0)
     with torch.no_grad():
         eager_ms = measure(lambda: built.iterate(built.step, inputs), warmup=3, iters=3).median_ms
-        gpu_ops = count_gpu_ops(lambda: built.iterate(built.step, inputs))
+        gpu_ops, _ = gpu_activity(lambda: built.iterate(built.step, inputs))
     iters = _iters_for(eager_ms, budget_s)
     common = {"workload": wl.name, "dtype": dtype, "gpu_ops": gpu_ops, "forwards": built.steps_per_iter,
               "article_eager_ms": wl.article_ms[0] if wl.article_ms else None,
@@ -349,3 +339,90 @@ def batch_sweep(dtype: str = "fp16", batches: Iterable[int] = range(1, 9), promp
             rows.append({"mode": mode, "batch": b, "bucket": _bucket(b, BATCH_BUCKETS, "batch size"),
                          "median_ms": t.median_ms, "tokens_per_s": b * new_tokens / (t.median_ms / 1e3)})
     return pd.DataFrame(rows)
+
+
+# --- four ways to get a graph (notebook 02) --------------------------------------------------------------
+
+METHODS = ("eager", "manual_graph", "make_graphed_callables", "compile_ro", "graph_runner", "graph_runner_compiled")
+METHOD_LABELS = {
+    "eager": "eager (no graph)",
+    "manual_graph": "manual torch.cuda.graph",
+    "make_graphed_callables": "torch.cuda.make_graphed_callables",
+    "compile_ro": 'torch.compile(mode="reduce-overhead")',
+    "graph_runner": "cgutils.GraphRunner",
+    "graph_runner_compiled": "cgutils.GraphRunner(torch.compile(fn))",
+}
+
+
+def _method_step(method: str, built: Built, args: tuple) -> Callable[..., Any]:
+    if method == "eager":
+        return built.step
+    if method == "manual_graph":
+        return RawGraphs(built.step)
+    if method == "make_graphed_callables":
+        built.model.requires_grad_(False)  # inference: no backward graph to capture
+        return torch.cuda.make_graphed_callables(built.step, args)
+    if method == "compile_ro":
+        torch._dynamo.reset()
+        return torch.compile(built.step, mode="reduce-overhead")
+    if method == "graph_runner":
+        return GraphRunner(built.step)
+    if method == "graph_runner_compiled":
+        torch._dynamo.reset()
+        return GraphRunner(torch.compile(built.step))
+    raise ValueError(method)
+
+
+def _measure_method(wname: str, method: str, dtype: str, iters: int) -> dict:
+    row = {"workload": wname, "dtype": dtype, "method": method, "gpu": torch.cuda.get_device_name(0)}
+    built = get_workload(wname).build(dtype, "cuda")
+    args = built.inputs(0)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            step = _method_step(method, built, args)
+            out = step(*args)
+            torch.cuda.synchronize()
+            setup_s = time.perf_counter() - t0
+            del out
+            extra = torch.cuda.memory_reserved() - before
+            t = measure(lambda: step(*args), warmup=10, iters=iters)
+        return {**row, **t.as_dict(), "setup_s": setup_s, "extra_reserved_bytes": extra, "status": "ok"}
+    except Exception as exc:  # how a method fails is part of the comparison
+        first = (str(exc).splitlines() or [""])[0][:240]
+        return {**row, "status": f"error: {type(exc).__name__}: {first}"}
+
+
+def graph_methods_table(workloads: Iterable[str] = ("bert-base-seq128", "resnet50"), dtype: str = "fp16",
+                        methods: Iterable[str] = METHODS, iters: int = 200, progress: bool = True):
+    """The ways of getting a CUDA graph in PyTorch, on the same model, measured in one run.
+
+    Each method gets a freshly built model. ``setup_s`` is the first call (capture, or compilation
+    plus capture), ``extra_reserved_bytes`` the growth of ``torch.cuda.memory_reserved()`` over that
+    first call (after ``empty_cache``), ``us_over_manual`` the per-call difference to the manual graph.
+
+    Returns:
+        DataFrame with columns ``workload, dtype, method, median_ms, p10_ms, p90_ms, n, setup_s,
+        extra_reserved_bytes, us_over_manual, status, gpu``.
+
+    Raises:
+        NoCudaError: without a CUDA device.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    if not env.cuda_available():
+        raise NoCudaError("graph_methods_table measures on a CUDA GPU and none is visible")
+    combos = [(w, m) for w in workloads for m in methods]
+    rows = []
+    for wname, method in tqdm(combos, desc="graph methods", disable=not progress):
+        rows.append(_measure_method(wname, method, dtype, iters))
+        gc.collect()  # the previous method's model and graphs die here, before the next baseline
+        torch.cuda.empty_cache()
+    df = pd.DataFrame(rows)
+    if "median_ms" in df:
+        manual = df[df.method == "manual_graph"].set_index("workload").median_ms
+        df["us_over_manual"] = [(m - manual.get(w, float("nan"))) * 1e3 for w, m in zip(df.workload, df.median_ms)]
+    return df

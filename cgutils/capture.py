@@ -294,6 +294,20 @@ def pool_reserved_bytes(pool: Any) -> int:
                if tuple(seg.get("segment_pool_id") or ()) == key)
 
 
+def graph_node_types(dot: str) -> dict[str, int]:
+    """Count the nodes of a captured graph by type from its DOT dump (``graph.debug_dump(path)`` after
+    capturing with ``debug=True``; the format is CUDA's ``cudaGraphDebugDotPrint``, whose node labels
+    start with the node type, e.g. ``KERNEL`` or ``MEMSET``).
+
+    Returns:
+        ``{node type: count}``; empty if the text holds no recognisable node.
+    """
+    import collections
+    import re
+
+    return dict(collections.Counter(re.findall(r'label="\{\s*([A-Z_]+)', dot)))
+
+
 def _reset_rng_after_failed_capture() -> None:
     # When capture fails, PyTorch raises before its default CUDA generators leave capture mode, and
     # every later random op then fails with "Offset increment outside graph capture". A clone of a
@@ -310,7 +324,7 @@ def _reset_rng_after_failed_capture() -> None:
 
 def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                   on_last_warmup: Callable[[Any], None] | None = None,
-                  what: str = "function") -> tuple[torch.cuda.CUDAGraph, Any]:
+                  what: str = "function", debug: bool = False) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm ``fn`` up on a side stream, then capture one call of it into a CUDA graph.
 
     Args:
@@ -320,6 +334,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
             private one.
         on_last_warmup: called with the output of the last warm-up call (e.g. to keep a reference).
         what: name used in error messages.
+        debug: keep the graph's description so that ``graph.debug_dump(path)`` can write it as a
+            Graphviz DOT file (see :func:`graph_node_types`).
 
     Returns:
         ``(graph, static_output)``: the output tensors live in the pool and are rewritten by each
@@ -339,6 +355,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    if debug:
+        graph.enable_debug_mode()
     try:
         with torch.cuda.graph(graph, pool=pool), torch.no_grad():
             static_out = fn()

@@ -163,3 +163,78 @@ def batch_throughput(sweep, title: str = ""):
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def chain_plot(chain, fit: dict, title: str = ""):
+    """Chain time against chain length (log-log), eager and replay, with the fitted per-launch slopes."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.loglog(chain.n, chain.eager_us, "o-", color=COLORS["eager"],
+              label=f"eager: {fit['eager_slope_us']:.2f} µs per launch")
+    ax.loglog(chain.n, chain.replay_us, "s-", color=COLORS["graph_runner"],
+              label=f"graph replay: {fit['replay_slope_us']:.2f} µs per node")
+    ax.set_xlabel("kernels in the chain (tiny in-place adds)")
+    ax.set_ylabel("time per chain (µs, CUDA events)")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def size_plot(sizes, launch_us: float, crossover_elements: float, title: str = ""):
+    """One elementwise op against its size: eager call, one-node replay, kernel GPU time; the size at
+    which the kernel's GPU time equals one eager launch is marked."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.loglog(sizes.elements, sizes.eager_us, "o-", color=COLORS["eager"], label="eager call")
+    ax.loglog(sizes.elements, sizes.replay_us, "s-", color=COLORS["graph_runner"], label="one-node graph replay")
+    ax.loglog(sizes.elements, sizes.kernel_us, "^-", color=COLORS["raw_graph"], label="kernel GPU time")
+    ax.axhline(launch_us, color="#444", lw=0.8, ls="--", label=f"one eager launch ({launch_us:.1f} µs)")
+    if crossover_elements == crossover_elements:
+        ax.axvline(crossover_elements, color="#d62728", lw=1, label=f"crossover ≈ {crossover_elements:.2g} elements")
+    ax.set_xlabel("elements (fp32)")
+    ax.set_ylabel("µs")
+    ax.legend(fontsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def launch_bound_bars(bound, title: str = ""):
+    """Stacked bars per model and mode: GPU busy time and GPU idle time (µs) of one forward."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{m}\n{mode}" for m, mode in zip(bound.model, bound["mode"])]
+    idle = (bound.wall_us - bound.busy_us).clip(lower=0)
+    ax.bar(labels, bound.busy_us, color=COLORS["raw_graph"], label="GPU busy (kernel time)")
+    ax.bar(labels, idle, bottom=bound.busy_us, color="#dddddd", label="GPU idle (waiting for launches)")
+    for x, (w, f) in enumerate(zip(bound.wall_us, bound.idle_fraction)):
+        ax.annotate(f"{f:.0%} idle", (x, w), ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("one forward (µs)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def methods_bars(methods, title: str = ""):
+    """Latency per way of getting a graph, one panel per workload."""
+    from .bench import METHOD_LABELS
+
+    ok = methods[methods.status == "ok"]
+    names = list(dict.fromkeys(ok.workload))
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.8), squeeze=False)
+    for ax, w in zip(axes[0], names):
+        part = ok[ok.workload == w]
+        ax.barh([METHOD_LABELS.get(m, m) for m in part.method], part.median_ms * 1e3, color="#76b900")
+        for y, v in enumerate(part.median_ms * 1e3):
+            ax.annotate(f" {v:.0f}", (v, y), va="center", fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("median per call (µs)")
+        ax.set_title(w, fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

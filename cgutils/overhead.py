@@ -1,0 +1,252 @@
+"""Launch overhead, measured: per-launch cost eager vs per-node cost in a replayed graph, the kernel
+size at which GPU work hides the launch, the CPU-side dispatch cost, and how launch-bound real models are.
+
+All GPU timings use CUDA events (``cgutils.timing.measure``); every function returns a
+``pandas.DataFrame`` in µs or ms as its columns say. The functions that need CUDA raise
+:class:`~cgutils.errors.NoCudaError` without it; :func:`cpu_dispatch_cost` runs anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import env
+from .capture import capture_graph
+from .errors import NoCudaError
+from .timing import measure
+
+
+def _need_cuda(what: str) -> None:
+    if not env.cuda_available():
+        raise NoCudaError(f"{what} measures on a CUDA GPU and none is visible; the notebooks show the "
+                          f"recorded result instead")
+
+
+def _chain(x: torch.Tensor, n: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(n):
+            x.add_(1.0)  # one tiny elementwise kernel per call: all launch, almost no work
+    return run
+
+
+def chain_sweep(lengths: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+                iters: int = 30, progress: bool = True):
+    """Time a chain of ``n`` tiny kernels (an in-place add on one float) launched eagerly, and the same
+    chain captured into one graph and replayed.
+
+    Returns:
+        DataFrame with columns ``n, eager_us, replay_us`` (median per chain, µs) and
+        ``eager_us_per_op, replay_us_per_node``.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    _need_cuda("chain_sweep")
+    x = torch.zeros(1, device="cuda")
+    rows = []
+    for n in tqdm(list(lengths), desc="kernel chains", disable=not progress):
+        run = _chain(x, n)
+        eager = measure(run, warmup=3, iters=iters).median_ms * 1e3
+        graph, _ = capture_graph(run, warmup=1)
+        replay = measure(graph.replay, warmup=3, iters=iters).median_ms * 1e3
+        rows.append({"n": n, "eager_us": eager, "replay_us": replay})
+        del graph
+    df = pd.DataFrame(rows)
+    df["eager_us_per_op"] = df.eager_us / df.n
+    df["replay_us_per_node"] = df.replay_us / df.n
+    return df
+
+
+def fit_per_launch(df) -> dict[str, float]:
+    """Least-squares line through chain time against chain length (``numpy.polyfit``).
+
+    Returns:
+        ``eager_slope_us`` (µs per eager launch), ``replay_slope_us`` (µs per graph node),
+        ``eager_intercept_us`` and ``replay_intercept_us`` (fixed cost per chain / per replay, µs).
+    """
+    e_slope, e_icpt = np.polyfit(df.n, df.eager_us, 1)
+    r_slope, r_icpt = np.polyfit(df.n, df.replay_us, 1)
+    return {"eager_slope_us": float(e_slope), "eager_intercept_us": float(e_icpt),
+            "replay_slope_us": float(r_slope), "replay_intercept_us": float(r_icpt)}
+
+
+def size_sweep(sizes: Iterable[int] = tuple(int(10 ** e) for e in np.arange(0, 8.01, 0.5)),
+               repeat: int = 20, iters: int = 30, progress: bool = True):
+    """One elementwise op (``torch.mul(x, 2, out=y)``, fp32) from 1 to ~10^8 elements.
+
+    Returns:
+        DataFrame with columns ``elements, bytes`` (read + written), ``eager_us`` (one eager call, CUDA
+        events: launch plus kernel as the GPU sees it), ``replay_us`` (the same op as a one-node graph
+        replay), ``kernel_us`` (GPU time of the kernel alone: ``repeat`` copies replayed back to back in
+        one graph, divided by ``repeat``).
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    _need_cuda("size_sweep")
+    rows = []
+    for n in tqdm(list(sizes), desc="kernel sizes", disable=not progress):
+        x = torch.randn(n, device="cuda")
+        y = torch.empty_like(x)
+
+        def op(x=x, y=y) -> None:
+            torch.mul(x, 2.0, out=y)
+
+        def many(op=op) -> None:
+            for _ in range(repeat):
+                op()
+
+        eager = measure(op, warmup=5, iters=iters).median_ms * 1e3
+        one, _ = capture_graph(op, warmup=1)
+        replay = measure(one.replay, warmup=5, iters=iters).median_ms * 1e3
+        block, _ = capture_graph(many, warmup=1)
+        kernel = measure(block.replay, warmup=3, iters=iters).median_ms * 1e3 / repeat
+        rows.append({"elements": n, "bytes": 2 * 4 * n, "eager_us": eager, "replay_us": replay, "kernel_us": kernel})
+        del x, y, one, block
+    return pd.DataFrame(rows)
+
+
+def crossover(df, launch_us: float) -> float:
+    """Element count at which the kernel's GPU time first equals ``launch_us``, interpolated linearly
+    in log-log space between the two sizes around it; ``nan`` if it never does within the sweep."""
+    k = df.sort_values("elements")
+    above = np.nonzero(k.kernel_us.to_numpy() >= launch_us)[0]
+    if len(above) == 0:
+        return float("nan")
+    i = above[0]
+    if i == 0:
+        return float(k.elements.iloc[0])
+    x0, x1 = np.log(k.elements.iloc[i - 1]), np.log(k.elements.iloc[i])
+    y0, y1 = np.log(k.kernel_us.iloc[i - 1]), np.log(k.kernel_us.iloc[i])
+    return float(np.exp(x0 + (np.log(launch_us) - y0) * (x1 - x0) / (y1 - y0))) if y1 != y0 else float(np.exp(x1))
+
+
+def cpu_dispatch_cost(ops: int = 2000, repeats: int = 15):
+    """Per-op cost of PyTorch's Python and dispatcher layers: an add on a one-element CPU tensor, timed
+    with ``time.perf_counter`` (runs anywhere). That CPU work also precedes every eager CUDA launch,
+    and replay skips it.
+
+    Returns:
+        DataFrame with columns ``op`` and ``us_per_op`` (median over ``repeats`` runs of ``ops`` calls)
+        for the same call through ``torch.add(out=)``, an in-place ``add_`` and a plain Python call.
+    """
+    import pandas as pd
+
+    x, y = torch.zeros(1), torch.zeros(1)
+
+    def py_noop(a, b):
+        return a
+
+    cases: dict[str, Callable[[], Any]] = {
+        "torch.add(x, 1, out=y)": lambda: torch.add(x, 1.0, out=y),
+        "x.add_(1)": lambda: x.add_(1.0),
+        "Python function call (floor)": lambda: py_noop(x, y),
+    }
+    rows = []
+    for name, fn in cases.items():
+        def block(fn=fn):
+            for _ in range(ops):
+                fn()
+        t = measure(block, warmup=2, iters=repeats, device="cpu")
+        rows.append({"op": name, "us_per_op": t.median_ms * 1e3 / ops})
+    return pd.DataFrame(rows)
+
+
+def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
+    """GPU activities (kernels, memcpy, memset) of one call of ``run`` and their summed GPU time (µs),
+    from torch.profiler (CUPTI). Kernels replayed by a graph are reported as well where CUPTI
+    supports it; a count of 0 for a replay means it did not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(acts), float(sum(e.time_range.elapsed_us() for e in acts))
+
+
+def launch_bound_table(progress: bool = True):
+    """How launch-bound the seed models are, eager vs replay (fp16, batch 1).
+
+    For BERT-base (128 tokens), ResNet-50 and one GPT-2 decode step with a static KV cache: GPU
+    activities per forward and their summed GPU time (torch.profiler), the forward's time as the GPU
+    sees it (CUDA events, median), and the GPU idle fraction ``1 - busy / wall``.
+
+    Returns:
+        DataFrame with columns ``model, mode, kernels, busy_us, wall_us, idle_fraction`` and
+        ``busy_source`` (``profiler``, or ``eager profile`` where the profiler saw no replayed kernels
+        and the eager kernels, the same ones, stand in).
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from .generation import StaticKVState
+    from .workloads import WORKLOADS
+
+    _need_cuda("launch_bound_table")
+    cases: list[tuple[str, Callable[[], Any]]] = []
+
+    def bert():
+        b = WORKLOADS["bert-base-seq128"].build("fp16", "cuda")
+        args = b.inputs(0)
+        return lambda: b.step(*args)
+
+    def resnet():
+        b = WORKLOADS["resnet50"].build("fp16", "cuda")
+        args = b.inputs(0)
+        return lambda: b.step(*args)
+
+    def gpt2_step():
+        b = WORKLOADS["gpt2-generate100"].build("fp16", "cuda")
+        state = StaticKVState(b.model, batch=1, max_len=256)
+        with torch.no_grad():
+            state.prefill(b.inputs(0)[0])
+        return state.decode_step
+
+    cases = [("BERT-base seq128", bert), ("ResNet-50", resnet), ("GPT-2 decode step", gpt2_step)]
+    rows = []
+    for name, make in tqdm(cases, desc="launch-bound fraction", disable=not progress):
+        with torch.no_grad():
+            step = make()
+            graph, _ = capture_graph(step, warmup=3)
+            eager_profile = None
+            for mode, run in (("eager", step), ("replay", graph.replay)):
+                wall = measure(run, warmup=5, iters=50).median_ms * 1e3
+                n, busy = gpu_activity(run)
+                source = "profiler"
+                if n == 0 and eager_profile is not None:
+                    (n, busy), source = eager_profile, "eager profile"
+                eager_profile = eager_profile or (n, busy)
+                rows.append({"model": name, "mode": mode, "kernels": n, "busy_us": busy, "wall_us": wall,
+                             "idle_fraction": max(0.0, 1 - busy / wall) if wall else float("nan"),
+                             "busy_source": source})
+        del graph, step
+        torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
+PUBLISHED_LAUNCH_US = [
+    {"source": "the source article (kernel launch overhead, NVIDIA GPUs, PyTorch)", "low_us": 5.0, "high_us": 15.0},
+]
+"""Published per-launch costs to compare against, with their sources."""
+
+
+def runtime_calls(run: Callable[[], Any]) -> dict[str, int]:
+    """CUDA runtime and driver API calls (``cuda*``/``cu*`` events on the CPU side of a torch.profiler
+    trace) made by one call of ``run``, by name, e.g. ``{"cudaLaunchKernel": 211}`` eager or
+    ``{"cudaGraphLaunch": 1}`` for a replay."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = (e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
+    return dict(collections.Counter(n for n in names if n.startswith("cu") and n != "cudaDeviceSynchronize"))
