@@ -81,7 +81,7 @@ def _show_recorded(suite: str, reason: str, markdown: bool = False) -> int:
     from .recorded import ResultsStore
 
     store = ResultsStore()
-    meta = store.meta()
+    meta = store.meta_for(SUITES[suite][0])
     frames = {name: store.load_frame(name) for name in SUITES[suite]}
     if not markdown:
         print(f"{reason} Showing the {suite} tables recorded on {meta.get('gpu')} ({store.path}).")
@@ -111,7 +111,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.show:
         if all((store.path / f"{n}.csv").exists() for n in SUITES[args.suite]):
             frames = {n: store.load_frame(n) for n in SUITES[args.suite]}
-            _print_suite(args.suite, frames, f"measured on {env.describe(store.meta())}", store.meta(), args.markdown)
+            meta = store.meta_for(SUITES[args.suite][0])
+            _print_suite(args.suite, frames, f"measured on {env.describe(meta)}", meta, args.markdown)
             return 0
         return _show_recorded(args.suite, f"No live {args.suite} tables in {store.path} yet (run `make run`).",
                               args.markdown)
@@ -123,7 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             df.to_csv(out, index=False)
         else:
-            out = store.save_frame(name, df)
+            out = store.save_value(name, df, prov)
         print(f"wrote {out}")
     _print_suite(args.suite, frames, f"measured now on {env.describe(prov)}", prov, args.markdown)
     return 0

@@ -155,8 +155,16 @@ class ResultsStore:
                                  f"(available: {self.available(self.root)})")
         return pd.read_csv(p)
 
-    def save_value(self, name: str, value: Any) -> Path:
-        """Save a DataFrame as CSV, anything else JSON-serialisable as JSON; returns the path."""
+    def save_value(self, name: str, value: Any, prov: dict | None = None) -> Path:
+        """Save a DataFrame as CSV, anything else JSON-serialisable as JSON; returns the path.
+
+        With ``prov``, the value's own provenance goes to ``<name>.meta.json`` beside it, so that a
+        later recording of other tables (which rewrites ``meta.json``) cannot misattribute it.
+        """
+        if prov is not None:
+            p = self._value_path(name, ".meta.json")
+            p.parent.mkdir(parents=True, exist_ok=True)
+            _write_json(p, prov)
         if _is_frame(value):
             return self.save_frame(name, value)
         p = self._value_path(name, ".json")
@@ -167,6 +175,15 @@ class ResultsStore:
             raise InputError(f"cannot save {name!r}: {exc}. --save takes DataFrames and JSON-serialisable "
                              f"values (dict, list, str, numbers)") from exc
         return p
+
+    def meta_for(self, name: str) -> dict:
+        """Provenance of one saved table or value: its ``<name>.meta.json``, else the store's ``meta.json``.
+
+        Raises:
+            RecordingError: if neither exists.
+        """
+        p = self._value_path(name, ".meta.json")
+        return _read_json(p) if p.exists() else self.meta()
 
     def load_value(self, name: str) -> Any:
         """Inverse of :meth:`save_value`.
@@ -367,7 +384,7 @@ def recorded_cell(line: str, cell: str) -> None:
         raise InputError(f"--save names {missing}, which the cell did not define")
     store = live_store()
     prov = store.write_meta()
-    saved = [str(store.save_value(name, shell.user_ns[var]).relative_to(store.path)) for var, name in targets]
+    saved = [str(store.save_value(name, shell.user_ns[var], prov).relative_to(store.path)) for var, name in targets]
     if recording_enabled():
         store.save_cell({"notebook": notebook, "key": args.key, "source_hash": digest,
                          "source": cell, "provenance": prov, "outputs": events, "saved": saved})

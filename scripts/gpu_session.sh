@@ -29,7 +29,8 @@ fi
 
 step "make record"
 if [ $# -gt 0 ]; then
-  { python3 -m cgutils record --notebooks "$@"; python3 -m cgutils record --check; } 2>&1 | tee "$out/record.log"
+  # bounded, so that the pack step below always runs inside the device's per-command limit
+  { timeout "${RECORD_TIMEOUT:-480}" python3 -m cgutils record --notebooks "$@"; python3 -m cgutils record --check; } 2>&1 | tee "$out/record.log"
 elif command -v make >/dev/null; then
   make record PY=python3 2>&1 | tee "$out/record.log"
 else

@@ -16,16 +16,21 @@ def test_every_recorded_cell_is_current():
     assert not bad, "\n".join(f"{s.notebook}/{s.key}: {s.status}: {s.detail}" for s in bad)
 
 
-def test_recording_has_provenance():
-    meta = ResultsStore("nvidia-h200", env.REPO_ROOT / "results").meta()
-    for key in ("gpu", "driver", "cuda", "torch", "transformers", "date", "git_commit"):
-        assert meta.get(key), f"meta.json lacks {key}"
-    assert meta["gpu"] == "NVIDIA H200"
+def test_every_recorded_table_has_provenance():
+    store = ResultsStore("nvidia-h200", env.REPO_ROOT / "results")
+    tables = sorted(p.stem for p in store.path.glob("*.csv"))
+    assert "speedup" in tables
+    for name in tables:
+        meta = store.meta_for(name)
+        for key in ("gpu", "driver", "cuda", "torch", "transformers", "date", "git_commit"):
+            assert meta.get(key), f"{name}: provenance lacks {key}"
+        assert meta["gpu"] == "NVIDIA H200"
+        assert (store.path / f"{name}.meta.json").exists(), f"{name} has no provenance of its own"
 
 
 def test_readme_table_matches_the_recording():
     store = ResultsStore("nvidia-h200", env.REPO_ROOT / "results")
-    expected = markdown_table(store.load_frame("speedup"), store.meta())
+    expected = markdown_table(store.load_frame("speedup"), store.meta_for("speedup"))
     m = re.search(r"<!-- speedup-table:begin -->\n(.*?)\n<!-- speedup-table:end -->", README.read_text(), re.S)
     assert m, "README.md lacks the speedup-table markers"
     assert m.group(1).strip() == expected.strip(), (

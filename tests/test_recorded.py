@@ -159,3 +159,13 @@ def test_check_reports_missing(tmp_results, tmp_path):
     store = ResultsStore("nvidia-h200")
     store.write_meta(PROV)
     assert [s.status for s in check_recordings(_notebook(tmp_path, "v = 1"), store)] == ["missing"]
+
+
+def test_table_keeps_its_own_provenance(tmp_results):
+    """Regression: a later recording rewrote meta.json and the README credited the table to it."""
+    store = ResultsStore("nvidia-h200")
+    store.write_meta({**PROV, "git_commit": "first"})
+    store.save_value("speedup", pd.DataFrame({"a": [1]}), {**PROV, "git_commit": "first"})
+    store.write_meta({**PROV, "git_commit": "second"})  # another notebook recorded later
+    assert store.meta_for("speedup")["git_commit"] == "first"
+    assert store.meta_for("never-saved")["git_commit"] == "second"  # falls back to the store's
