@@ -116,6 +116,8 @@ class StaticKVState(nn.Module):
 class _Slot:
     state: StaticKVState
     step: Any  # callable advancing one token: graph.replay, a compiled step, or the eager step
+    block: Any = None  # graph mode: replays ``block_steps`` decode steps at once
+    block_steps: int = 1
 
 
 class GreedyDecoder:
@@ -133,6 +135,10 @@ class GreedyDecoder:
             by kernel), or ``"compile"`` (the step through ``torch.compile(mode="reduce-overhead")``).
         batch_buckets: batch sizes a request is padded up to (rows repeated, outputs sliced back).
         length_buckets: cache lengths; a request uses the smallest that holds prompt + new tokens.
+        steps_per_graph: graph mode: decode steps captured back to back in one graph (a second,
+            one-step graph does the remainder). Each step reads and advances the position on the GPU,
+            so a graph of 16 steps is 16 correct steps; it saves the CPU launch and the GPU's
+            graph-launch latency between steps. 1 gives one replay per token.
 
     Raises:
         InputError: unknown mode; a CPU model in graph or compile mode; a request larger than the
@@ -140,9 +146,12 @@ class GreedyDecoder:
     """
 
     def __init__(self, model: nn.Module, mode: str = "graph", *, batch_buckets=BATCH_BUCKETS,
-                 length_buckets=LENGTH_BUCKETS):
+                 length_buckets=LENGTH_BUCKETS, steps_per_graph: int = 16):
         if mode not in MODES:
             raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+        if steps_per_graph < 1:
+            raise InputError(f"steps_per_graph must be >= 1, got {steps_per_graph}")
+        self.steps_per_graph = steps_per_graph
         device = next(model.parameters()).device
         if mode != "eager" and device.type != "cuda":
             raise InputError(f"mode={mode!r} needs the model on a CUDA device (it is on {device}); "
@@ -159,7 +168,7 @@ class GreedyDecoder:
         """(batch bucket, length bucket) pairs prepared so far (one graph each in graph mode)."""
         return list(self._slots)
 
-    def _slot(self, batch: int, max_len: int, prompt_len: int) -> _Slot:
+    def _slot(self, batch: int, max_len: int) -> _Slot:
         key = (batch, max_len)
         if key in self._slots:
             return self._slots[key]
@@ -169,11 +178,22 @@ class GreedyDecoder:
         elif self.mode == "compile":
             slot = _Slot(state, torch.compile(state.decode_step, mode="reduce-overhead"))
         else:
-            with torch.no_grad():
-                state.prefill(torch.zeros(batch, prompt_len, dtype=torch.int64, device=state.pos.device))
-            graph, _ = capture_graph(state.decode_step, warmup=3, pool=self._pool,
-                                     what=f"GPT-2 decode step (batch {batch}, cache {max_len})")
-            slot = _Slot(state, graph.replay)
+            # Warm-up advances the position for real, so it starts from a one-token dummy prompt and
+            # must stay inside the cache: 1 + warm-up steps + 1 <= max_len.
+            k = max(1, min(self.steps_per_graph, (max_len - 2) // 2))
+
+            def block() -> None:
+                for _ in range(k):
+                    state.decode_step()
+
+            graphs = []
+            for fn, n in ((state.decode_step, 1), (block, k)):
+                with torch.no_grad():
+                    state.prefill(torch.zeros(batch, 1, dtype=torch.int64, device=state.pos.device))
+                graph, _ = capture_graph(fn, warmup=2, pool=self._pool,
+                                         what=f"GPT-2 decode, {n} step(s) (batch {batch}, cache {max_len})")
+                graphs.append(graph)
+            slot = _Slot(state, graphs[0].replay, graphs[1].replay, k)
         self._slots[key] = slot
         return slot
 
@@ -186,7 +206,8 @@ class GreedyDecoder:
             prompt: (B, T) int64 token ids on the model's device; all rows the same length.
             max_new_tokens: tokens to generate (>= 1); the first comes from the prefill.
             step_times: if a list is given, CUDA events time each decode step and their durations
-                (ms) are appended to it (adds a little overhead; CUDA only).
+                (ms) are appended to it (adds a little overhead; CUDA only). Steps are then replayed
+                one graph per step, so each can be timed.
 
         Returns:
             (B, T + max_new_tokens) int64: the prompt followed by the generated tokens.
@@ -206,11 +227,16 @@ class GreedyDecoder:
         b, T = prompt.shape
         B = _bucket(b, self.batch_buckets, "batch size")
         S = _bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens")
-        slot = self._slot(B, S, T)
+        slot = self._slot(B, S)
         padded = torch.cat([prompt, prompt[-1:].expand(B - b, T)]) if B > b else prompt
         slot.state.prefill(padded)
+        remaining = max_new_tokens - 1
+        if slot.block is not None and step_times is None:
+            for _ in range(remaining // slot.block_steps):
+                slot.block()
+            remaining %= slot.block_steps
         events = []
-        for _ in range(max_new_tokens - 1):
+        for _ in range(remaining):
             if step_times is not None:
                 events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 events[-1][0].record()

@@ -53,6 +53,8 @@ def test_errors_are_clear(tiny):
         dec.generate(torch.zeros(9, 4, dtype=torch.int64), 5)
     with pytest.raises(cg.InputError, match="prompt \\+ new tokens 1030"):
         dec.generate(torch.zeros(1, 30, dtype=torch.int64), 1000)
+    with pytest.raises(cg.InputError, match="steps_per_graph must be >= 1"):
+        GreedyDecoder(tiny, mode="eager", steps_per_graph=0)
     with pytest.raises(cg.InputError, match="max_new_tokens must be >= 1"):
         dec.generate(torch.zeros(1, 4, dtype=torch.int64), 0)
 
@@ -108,3 +110,12 @@ def test_no_memory_growth_over_1000_tokens(gpt2_fp32):
     del out
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= before
+
+
+@pytest.mark.gpu
+def test_multi_step_graph_equals_one_step_graphs(gpt2_fp32):
+    prompt = _prompt(5, batch=3)
+    many = GreedyDecoder(gpt2_fp32, "graph", steps_per_graph=16).generate(prompt, 40)
+    one = GreedyDecoder(gpt2_fp32, "graph", steps_per_graph=1).generate(prompt, 40)
+    eager = GreedyDecoder(gpt2_fp32, "eager").generate(prompt, 40)
+    assert torch.equal(many, one) and torch.equal(many, eager)
