@@ -3,6 +3,7 @@
 * ``env``: device, mode and versions; the recordings available.
 * ``bench [speedup|overhead|methods|generation]``: a benchmark suite. Measured on a CUDA GPU; without
   one, the recorded tables and their provenance (exit 0).
+* ``trace FILE``: launch statistics and a launch-bound verdict for a torch.profiler trace.
 * ``record``: on a CUDA GPU, execute every notebook live and record results into ``results/<gpu>/``;
   ``record --check`` reports stale or missing recordings (exit 1 if any).
 """
@@ -167,6 +168,23 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from .trace import load_trace
+
+    t = load_trace(args.file)
+    s = t.summary()
+    with pd.option_context("display.precision", 3):
+        print(s.drop("verdict").to_string())
+    print(f"verdict: {s.verdict}")
+    if t.skipped:
+        print(f"skipped events: {t.skipped}")
+    if args.range:
+        print(t.by_range(args.range).to_string(index=False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .bench import VARIANTS
     from .workloads import DTYPES, WORKLOADS
@@ -192,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
     r.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
     r.set_defaults(func=cmd_record)
+    t = sub.add_parser("trace", help="summarise a torch.profiler Chrome trace (.json or .json.gz)")
+    t.add_argument("file")
+    t.add_argument("--range", help="also break down the GPU work launched inside this annotation")
+    t.set_defaults(func=cmd_trace)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -42,3 +42,7 @@ class StaleRecordingError(RecordingError):
 
 class NoCudaError(CgutilsError, RuntimeError):
     """The operation needs a CUDA device and none is visible."""
+
+
+class TraceFormatError(CgutilsError, ValueError):
+    """A trace file cannot be read as a Chrome/Kineto trace: the message names the file and the problem."""

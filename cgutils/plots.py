@@ -89,6 +89,10 @@ def speedup_vs_ops(summary, variant: str = "graph_runner", title: str = ""):
     ax.set_xlabel("GPU activities per forward (kernels + copies)")
     ax.set_ylabel(f"{_label(variant)} speedup over eager (x)")
     ax.legend(fontsize=8)
+    return _finish(fig, ax, title)
+
+
+def _finish(fig, ax, title: str):
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -127,10 +131,7 @@ def decoder_bars(gen, title: str = ""):
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("one generate call, median (ms, log scale)")
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def step_latency(steps, title: str = ""):
@@ -142,10 +143,7 @@ def step_latency(steps, title: str = ""):
     ax.set_ylabel("latency per token (µs)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def batch_throughput(sweep, title: str = ""):
@@ -159,10 +157,7 @@ def batch_throughput(sweep, title: str = ""):
     ax.set_xlabel("batch size (grey lines: batch buckets)")
     ax.set_ylabel("generated tokens per second")
     ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def chain_plot(chain, fit: dict, title: str = ""):
@@ -175,10 +170,7 @@ def chain_plot(chain, fit: dict, title: str = ""):
     ax.set_xlabel("kernels in the chain (tiny in-place adds)")
     ax.set_ylabel("time per chain (µs, CUDA events)")
     ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def size_plot(sizes, launch_us: float, crossover_elements: float, title: str = ""):
@@ -194,10 +186,7 @@ def size_plot(sizes, launch_us: float, crossover_elements: float, title: str = "
     ax.set_xlabel("elements (fp32)")
     ax.set_ylabel("µs")
     ax.legend(fontsize=7)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def launch_bound_bars(bound, title: str = ""):
@@ -212,10 +201,7 @@ def launch_bound_bars(bound, title: str = ""):
     ax.set_ylabel("one forward (µs)")
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, title)
 
 
 def methods_bars(methods, title: str = ""):

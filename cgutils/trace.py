@@ -1,0 +1,365 @@
+"""Kineto / Chrome trace analysis: load a torch.profiler trace into DataFrames, link every runtime or
+driver call to the GPU work it started (graph-aware), and summarise launch overhead.
+
+Units: every ``ts`` (start) and ``dur`` (duration) column is in microseconds (µs), as in the Chrome
+trace format ("Trace Event Format", Google; Kineto writes ``ts``/``dur`` in µs with fractional parts).
+
+Linking: CUPTI gives each runtime/driver API call a correlation id and stamps the GPU activities it
+started with the same id. A ``cudaGraphLaunch`` starts every kernel of the graph, and CUPTI reports
+each replayed kernel with the graph launch's correlation id, so the link is one call to many
+activities. Peers that only follow ``cudaLaunchKernel`` miss those kernels, and the launches made
+through ``cudaLaunchKernelExC`` or the driver's ``cuLaunchKernel(Ex)`` (HolisticTraceAnalysis issues
+#61 and #290).
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .errors import TraceFormatError
+
+# Kineto category names, current and older spellings, mapped to our tables.
+_CATEGORY = {
+    "cpu_op": "ops", "operator": "ops",
+    "cuda_runtime": "runtime", "runtime": "runtime", "cuda_driver": "runtime",
+    "kernel": "kernels",
+    "gpu_memcpy": "memory", "memcpy": "memory", "gpu_memset": "memory", "memset": "memory",
+    "user_annotation": "annotations", "gpu_user_annotation": "annotations",
+}
+
+LAUNCH_CALLS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchKernelEx", "cudaLaunchCooperativeKernel",
+    "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
+    "cudaGraphLaunch", "cuGraphLaunch",
+    "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync", "cudaMemset", "cuMemcpyAsync", "cuMemsetD8Async",
+    "cuMemsetD32Async",
+    "hipLaunchKernel", "hipExtLaunchKernel", "hipModuleLaunchKernel", "hipExtModuleLaunchKernel",
+    "hipGraphLaunch", "hipMemcpyAsync", "hipMemsetAsync", "hipMemcpyWithStream",
+})
+"""Runtime and driver calls that start GPU work (CUDA and HIP names)."""
+
+GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch", "hipGraphLaunch"})
+
+_COLUMNS = {
+    "ops": ["name", "ts", "dur", "pid", "tid", "external_id"],
+    "runtime": ["name", "ts", "dur", "pid", "tid", "correlation", "api"],
+    "kernels": ["name", "ts", "dur", "device", "stream", "correlation"],
+    "memory": ["name", "ts", "dur", "device", "stream", "correlation", "kind", "bytes"],
+    "annotations": ["name", "ts", "dur", "pid", "tid", "side"],
+}
+
+
+@dataclass
+class Trace:
+    """A parsed trace. Every DataFrame is sorted by ``ts``; times in µs.
+
+    Attributes:
+        path: the file read.
+        ops: CPU operators (``cpu_op``): name, ts, dur, pid, tid, external_id.
+        runtime: CUDA/HIP runtime and driver API calls: name, ts, dur, pid, tid, correlation,
+            api (``runtime`` or ``driver``).
+        kernels: GPU kernels: name, ts, dur, device, stream, correlation.
+        memory: GPU memcpy/memset: name, ts, dur, device, stream, correlation, kind, bytes.
+        annotations: ``record_function``/NVTX-style ranges: name, ts, dur, pid, tid, side (``cpu`` or
+            ``gpu``).
+        skipped: events left out, by reason (missing or malformed fields).
+    """
+
+    path: str
+    ops: pd.DataFrame
+    runtime: pd.DataFrame
+    kernels: pd.DataFrame
+    memory: pd.DataFrame
+    annotations: pd.DataFrame
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    # --- links ------------------------------------------------------------------------------------
+
+    def device_activity(self) -> pd.DataFrame:
+        """Kernels and memcpy/memset together: name, ts, dur, device, stream, correlation, kind."""
+        k = self.kernels.assign(kind="kernel")
+        m = self.memory.drop(columns=["bytes"])
+        return pd.concat([k, m], ignore_index=True).sort_values("ts", kind="stable").reset_index(drop=True)
+
+    def links(self) -> pd.DataFrame:
+        """Every launch call joined to the GPU activities it started, by correlation id.
+
+        Returns:
+            One row per (call, activity): ``call``, ``call_ts``, ``call_dur``, ``correlation``,
+            ``name``, ``ts``, ``dur``, ``stream``, ``kind``. A ``cudaGraphLaunch`` has one row per
+            replayed kernel.
+        """
+        calls = self.runtime[self.runtime.name.isin(LAUNCH_CALLS)]
+        calls = calls[["name", "ts", "dur", "correlation"]].rename(
+            columns={"name": "call", "ts": "call_ts", "dur": "call_dur"})
+        acts = self.device_activity()[["name", "ts", "dur", "stream", "kind", "correlation"]]
+        return calls.merge(acts, on="correlation", how="inner").sort_values(["call_ts", "ts"]).reset_index(drop=True)
+
+    def launch_stats(self) -> pd.DataFrame:
+        """Per launch call: its CPU duration, the delay to its first GPU activity, and the GPU time.
+
+        Returns:
+            One row per launch call that started GPU work: ``call``, ``correlation``, ``call_ts``,
+            ``cpu_us`` (the call's duration), ``launch_delay_us`` (first activity start − call start),
+            ``activities`` (kernels/copies it started; many for a graph launch), ``gpu_us`` (their
+            summed duration), ``span_us`` (first start to last end).
+        """
+        links = self.links()
+        if links.empty:
+            return pd.DataFrame(columns=["call", "correlation", "call_ts", "cpu_us", "launch_delay_us",
+                                         "activities", "gpu_us", "span_us"])
+        links = links.assign(end=links.ts + links.dur)
+        g = links.groupby("correlation", sort=False)
+        out = g.agg(call=("call", "first"), call_ts=("call_ts", "first"), cpu_us=("call_dur", "first"),
+                    first=("ts", "min"), last=("end", "max"), activities=("name", "size"), gpu_us=("dur", "sum"))
+        out["launch_delay_us"] = out["first"] - out["call_ts"]
+        out["span_us"] = out["last"] - out["first"]
+        return out.reset_index()[["call", "correlation", "call_ts", "cpu_us", "launch_delay_us", "activities",
+                                  "gpu_us", "span_us"]].sort_values("call_ts").reset_index(drop=True)
+
+    # --- summaries ----------------------------------------------------------------------------------
+
+    def summary(self, launch_bound_idle: float = 0.5) -> pd.Series:
+        """Wall span, GPU busy/idle, kernels, launches and a launch-bound verdict with its numbers.
+
+        Args:
+            launch_bound_idle: the GPU idle fraction at and above which the trace is called
+                launch-bound (default 0.5: the GPU waits more than it works).
+
+        Returns:
+            ``pandas.Series`` with ``wall_us`` (first to last CPU launch call or GPU activity),
+            ``gpu_busy_us`` (union of activity intervals over all streams), ``gpu_busy_fraction``,
+            ``gpu_idle_fraction``, ``kernels``, ``gpu_activities``, ``launches``, ``graph_launches``,
+            ``kernels_per_launch``, ``median_launch_cpu_us``, ``median_kernel_us``, ``verdict``.
+        """
+        acts = self.device_activity()
+        calls = self.runtime[self.runtime.name.isin(LAUNCH_CALLS)]
+        starts = pd.concat([acts.ts, calls.ts])
+        ends = pd.concat([acts.ts + acts.dur, calls.ts + calls.dur])
+        wall = float(ends.max() - starts.min()) if len(starts) else 0.0
+        busy = _union_length(acts.ts.to_numpy(), (acts.ts + acts.dur).to_numpy())
+        idle = 1 - busy / wall if wall > 0 else float("nan")
+        launched = calls[calls.correlation.isin(acts.correlation)]
+        n_launch = len(launched)
+        s = pd.Series(dtype=object, data={
+            "wall_us": wall, "gpu_busy_us": busy,
+            "gpu_busy_fraction": busy / wall if wall > 0 else float("nan"), "gpu_idle_fraction": idle,
+            "kernels": len(self.kernels), "gpu_activities": len(acts), "launches": n_launch,
+            "graph_launches": int(launched.name.isin(GRAPH_LAUNCHES).sum()),
+            "kernels_per_launch": len(acts) / n_launch if n_launch else float("nan"),
+            "median_launch_cpu_us": float(launched.dur.median()) if n_launch else float("nan"),
+            "median_kernel_us": float(self.kernels.dur.median()) if len(self.kernels) else float("nan"),
+        })
+        if not len(acts):
+            s["verdict"] = "no GPU activity in this trace (CPU-only?)"
+        elif idle >= launch_bound_idle:
+            s["verdict"] = (f"launch-bound: the GPU is idle {idle:.0%} of the {wall:.0f} µs span; median kernel "
+                            f"{s.median_kernel_us:.1f} µs vs median launch call {s.median_launch_cpu_us:.1f} µs")
+        else:
+            s["verdict"] = f"GPU-bound: the GPU is busy {1 - idle:.0%} of the {wall:.0f} µs span"
+        return s
+
+    def by_range(self, name: str) -> pd.DataFrame:
+        """GPU work launched inside each CPU annotation called ``name`` (``record_function`` or
+        :func:`cgutils.annotate.nvtx_range`).
+
+        Returns:
+            One row per range instance: ``ts``, ``dur`` (the range, µs), ``launches``, ``activities``,
+            ``gpu_us`` (summed activity time), ``gpu_span_us`` (first start to last end of that work).
+
+        Raises:
+            TraceFormatError: if no CPU annotation has that name (the message lists some that exist).
+        """
+        ranges = self.annotations[(self.annotations.name == name) & (self.annotations.side == "cpu")]
+        if ranges.empty:
+            known = sorted(set(self.annotations[self.annotations.side == "cpu"].name))[:10]
+            raise TraceFormatError(f"{self.path}: no CPU annotation named {name!r}; some that exist: {known}")
+        links = self.links()
+        rows = []
+        for ts, dur in zip(ranges.ts, ranges.dur):
+            inside = links[(links.call_ts >= ts) & (links.call_ts <= ts + dur)]
+            rows.append({"ts": ts, "dur": dur, "launches": inside.correlation.nunique(), "activities": len(inside),
+                         "gpu_us": float(inside.dur.sum()),
+                         "gpu_span_us": float((inside.ts + inside.dur).max() - inside.ts.min()) if len(inside) else 0.0})
+        return pd.DataFrame(rows)
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Total length covered by a set of intervals (overlaps counted once)."""
+    if len(starts) == 0:
+        return 0.0
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    # a new covered block starts wherever an interval begins after everything before it has ended
+    new_block = np.concatenate([[True], s[1:] > reach[:-1]])
+    block_id = np.cumsum(new_block) - 1
+    block_start = s[new_block]
+    block_end = np.zeros(block_id[-1] + 1)
+    np.maximum.at(block_end, block_id, e)
+    return float((block_end - block_start).sum())
+
+
+def compare(a: Trace, b: Trace, labels: tuple[str, str] = ("a", "b")) -> pd.DataFrame:
+    """Side-by-side summaries of two traces (e.g. eager vs replay), with the ratio b / a for numbers."""
+    sa, sb = a.summary(), b.summary()
+    df = pd.DataFrame({labels[0]: sa, labels[1]: sb})
+    num = pd.to_numeric(df[labels[0]], errors="coerce")
+    den = pd.to_numeric(df[labels[1]], errors="coerce")
+    df[f"{labels[1]} / {labels[0]}"] = den / num.replace(0, np.nan)
+    return df
+
+
+# --- loading -------------------------------------------------------------------------------------------
+
+
+def _open(path: Path):
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+
+
+def _events(path: Path):
+    """Yield the trace's events, streaming (the file is never held in memory as one object)."""
+    import ijson
+
+    with _open(path) as f:
+        yield from ijson.items(f, "traceEvents.item", use_float=True)
+
+
+def _has_trace_events(path: Path) -> tuple[bool, str]:
+    """(whether the top level has a ``traceEvents`` key, top-level JSON type); stops at that key."""
+    import ijson
+
+    kind = "?"
+    with _open(path) as f:
+        for prefix, event, value in ijson.parse(f, use_float=True):
+            if prefix == "" and event in ("start_map", "start_array"):
+                kind = "object" if event == "start_map" else "array"
+                if kind == "array":
+                    return False, kind
+            elif prefix == "" and event == "map_key" and value == "traceEvents":
+                return True, kind
+    return False, kind
+
+
+def _num(v: Any) -> float:
+    return float(v)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load a Chrome/Kineto trace (``.json`` or ``.json.gz``, as torch.profiler exports) into a :class:`Trace`.
+
+    The file is streamed event by event (``ijson``), so a large trace is parsed without first holding
+    the whole JSON document as Python objects. Events missing ``ts``, ``dur`` or ``name``, or with
+    non-numeric times, are skipped and counted in ``Trace.skipped``.
+
+    Raises:
+        TraceFormatError: the file is missing, not JSON, a truncated gzip, has no ``traceEvents``, or
+            none of its events could be read. The message names the file and the problem.
+    """
+    import ijson
+
+    p = Path(path)
+    if not p.exists():
+        raise TraceFormatError(f"{p}: no such trace file")
+    rows: dict[str, list] = {k: [] for k in _COLUMNS}
+    skipped: dict[str, int] = {}
+    seen = 0
+
+    def skip(reason: str) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    try:
+        for ev in _events(p):
+            seen += 1
+            if not isinstance(ev, dict):
+                skip("not an object")
+                continue
+            table = _CATEGORY.get(str(ev.get("cat", "")).lower())
+            if table is None or ev.get("ph", "X") != "X":
+                continue
+            try:
+                name, ts, dur = str(ev["name"]), _num(ev["ts"]), _num(ev["dur"])
+            except KeyError as exc:
+                skip(f"missing {exc.args[0]}")
+                continue
+            except (TypeError, ValueError):
+                skip("non-numeric ts or dur")
+                continue
+            args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+            corr = args.get("correlation", -1)
+            if table == "ops":
+                rows["ops"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), args.get("External id")))
+            elif table == "runtime":
+                api = "driver" if str(ev.get("cat", "")).lower() == "cuda_driver" else "runtime"
+                rows["runtime"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), corr, api))
+            elif table == "kernels":
+                rows["kernels"].append((name, ts, dur, args.get("device"), args.get("stream", ev.get("tid")), corr))
+            elif table == "memory":
+                kind = "memset" if "memset" in str(ev.get("cat", "")).lower() else "memcpy"
+                rows["memory"].append((name, ts, dur, args.get("device"), args.get("stream", ev.get("tid")), corr,
+                                       kind, args.get("bytes")))
+            else:
+                side = "gpu" if str(ev.get("cat", "")).lower().startswith("gpu") else "cpu"
+                rows["annotations"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), side))
+    except (ijson.JSONError, ijson.IncompleteJSONError) as exc:
+        raise TraceFormatError(f"{p}: not valid JSON ({exc}); was the export interrupted?") from exc
+    except (EOFError, OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise TraceFormatError(f"{p}: cannot decompress ({exc}); the .gz file is truncated or corrupt") from exc
+
+    # only an empty result needs telling apart "no traceEvents key" from "an empty list"
+    has_key, kind = _has_trace_events(p) if seen == 0 else (True, "object")
+    if not has_key:
+        what = "a JSON array" if kind == "array" else "a JSON object without a 'traceEvents' key"
+        raise TraceFormatError(f"{p}: {what}; expected a Chrome trace object with 'traceEvents' "
+                               f"(as torch.profiler's export_chrome_trace writes)")
+    if seen and sum(len(v) for v in rows.values()) == 0 and skipped:
+        raise TraceFormatError(f"{p}: none of its {seen} events could be read ({skipped})")
+
+    frames = {}
+    for k, cols in _COLUMNS.items():
+        df = pd.DataFrame(rows[k], columns=cols)
+        if "correlation" in df:
+            df["correlation"] = pd.to_numeric(df["correlation"], errors="coerce").fillna(-1).astype("int64")
+        frames[k] = df.sort_values("ts", kind="stable").reset_index(drop=True)
+    return Trace(path=str(p), skipped=skipped, **frames)
+
+
+def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_shapes: bool = False) -> Path:
+    """Profile ``fn()`` with torch.profiler and write a gzipped Chrome trace that opens in Perfetto.
+
+    ``warmup`` calls run under the profiler's warm-up phase (traced but discarded, so start-up costs
+    stay out), then ``active`` calls are recorded. CPU activity always, CUDA when available.
+
+    Args:
+        fn: callable with no arguments, e.g. ``lambda: model(x)``.
+        path: output file; ``.json.gz`` is appended unless it already ends in ``.json`` or ``.json.gz``.
+
+    Returns:
+        The path written.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, schedule
+
+    out = Path(path)
+    if not out.name.endswith((".json", ".json.gz")):
+        out = out.with_name(out.name + ".json.gz")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    with torch.profiler.profile(activities=acts, record_shapes=record_shapes,
+                                schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                                on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+        for _ in range(warmup + active):
+            fn()
+            sync()
+            prof.step()
+    return out

@@ -1,0 +1,170 @@
+"""Trace parsing and launch analysis on synthetic Kineto traces, and malformed input (hypothesis)."""
+
+import gzip
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cgutils as cg
+from cgutils.trace import _union_length, load_trace
+
+
+def ev(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 2, "ts": ts, "dur": dur, "args": args}
+
+
+def kineto_events():
+    """An eager step (three launch APIs), a graph replay of three kernels, a memcpy, and annotations."""
+    return [
+        ev("user_annotation", "forward", 0.0, 200.0),
+        ev("cpu_op", "aten::add", 1.0, 12.0, **{"External id": 7}),
+        ev("cuda_runtime", "cudaLaunchKernel", 5.0, 6.0, correlation=1),
+        ev("kernel", "add_kernel", 20.0, 2.0, correlation=1, stream=7, device=0),
+        ev("cuda_runtime", "cudaLaunchKernelExC", 15.0, 5.0, correlation=2),
+        ev("kernel", "gemm", 30.0, 4.0, correlation=2, stream=7, device=0),
+        ev("cuda_driver", "cuLaunchKernel", 25.0, 4.0, correlation=3),
+        ev("kernel", "triton_fused", 40.0, 3.0, correlation=3, stream=7, device=0),
+        ev("cuda_runtime", "cudaMemcpyAsync", 50.0, 3.0, correlation=4),
+        ev("gpu_memcpy", "Memcpy DtoD", 55.0, 1.0, correlation=4, stream=7, device=0, bytes=4096),
+        ev("user_annotation", "replay", 100.0, 80.0),
+        ev("cuda_runtime", "cudaGraphLaunch", 101.0, 8.0, correlation=5),
+        ev("kernel", "k1", 110.0, 5.0, correlation=5, stream=9, device=0),
+        ev("kernel", "k2", 115.0, 5.0, correlation=5, stream=9, device=0),
+        ev("kernel", "k3", 118.0, 4.0, correlation=5, stream=10, device=0),  # overlaps k2 on another stream
+        ev("cuda_runtime", "cudaStreamSynchronize", 130.0, 40.0, correlation=6),
+        ev("gpu_user_annotation", "replay", 110.0, 12.0),
+        {"ph": "s", "cat": "ac2g", "id": 5, "ts": 101.0},  # flow events are ignored
+        {"ph": "M", "name": "process_name", "args": {"name": "python"}},
+    ]
+
+
+def write(tmp_path, obj, name="t.json", gz=False):
+    data = json.dumps(obj).encode()
+    p = tmp_path / (name + (".gz" if gz else ""))
+    p.write_bytes(gzip.compress(data) if gz else data)
+    return p
+
+
+@pytest.fixture
+def trace(tmp_path):
+    return load_trace(write(tmp_path, {"schemaVersion": 1, "traceEvents": kineto_events()}, gz=True))
+
+
+def test_tables_and_units(trace):
+    assert len(trace.kernels) == 6 and len(trace.memory) == 1 and len(trace.ops) == 1
+    assert set(trace.runtime.api) == {"runtime", "driver"}
+    assert trace.memory.bytes.iloc[0] == 4096 and trace.memory.kind.iloc[0] == "memcpy"
+    assert list(trace.annotations.side) == ["cpu", "cpu", "gpu"]
+    assert trace.kernels.ts.is_monotonic_increasing
+
+
+def test_graph_launch_links_to_every_replayed_kernel(trace):
+    links = trace.links()
+    graph = links[links.call == "cudaGraphLaunch"]
+    assert list(graph.name) == ["k1", "k2", "k3"]
+    assert set(links.call) == {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaMemcpyAsync",
+                               "cudaGraphLaunch"}  # cudaStreamSynchronize starts no GPU work
+
+
+def test_launch_stats(trace):
+    s = trace.launch_stats().set_index("call")
+    assert s.loc["cudaLaunchKernel", "launch_delay_us"] == 15.0 and s.loc["cudaLaunchKernel", "cpu_us"] == 6.0
+    g = s.loc["cudaGraphLaunch"]
+    assert g.activities == 3 and g.gpu_us == 14.0 and g.span_us == 12.0 and g.launch_delay_us == 9.0
+
+
+def test_summary_counts_overlap_once(trace):
+    s = trace.summary()
+    assert s.kernels == 6 and s.gpu_activities == 7 and s.launches == 5 and s.graph_launches == 1
+    assert s.kernels_per_launch == pytest.approx(7 / 5)
+    # busy = 2 + 4 + 3 + 1 + (110..122 union = 12)
+    assert s.gpu_busy_us == pytest.approx(22.0)
+    assert s.wall_us == pytest.approx(122.0 - 5.0)  # first launch call to last GPU activity end
+    assert s.verdict.startswith("launch-bound")
+
+
+def test_by_range(trace):
+    r = trace.by_range("replay")
+    assert r.launches.tolist() == [1] and r.activities.tolist() == [3] and r.gpu_span_us.tolist() == [12.0]
+    with pytest.raises(cg.TraceFormatError, match="no CPU annotation named 'nope'.*forward"):
+        trace.by_range("nope")
+
+
+def test_compare(trace):
+    df = cg.compare(trace, trace, labels=("eager", "graph"))
+    assert df.loc["kernels", "graph / eager"] == 1.0
+
+
+def test_union_length():
+    import numpy as np
+
+    assert _union_length(np.array([0.0, 1.0, 5.0]), np.array([2.0, 3.0, 6.0])) == 4.0
+    assert _union_length(np.array([0.0, 1.0]), np.array([10.0, 2.0])) == 10.0
+    assert _union_length(np.array([]), np.array([])) == 0.0
+
+
+def test_cpu_only_trace_is_a_correct_partial_result(tmp_path):
+    t = load_trace(write(tmp_path, {"traceEvents": [ev("cpu_op", "aten::mm", 0, 5)]}))
+    assert len(t.ops) == 1 and t.launch_stats().empty
+    assert "no GPU activity" in t.summary().verdict
+
+
+def test_events_missing_fields_are_skipped_and_counted(tmp_path):
+    events = kineto_events() + [{"ph": "X", "cat": "kernel", "name": "x", "ts": 1.0},
+                                {"ph": "X", "cat": "kernel", "name": "y", "ts": "soon", "dur": 1}]
+    t = load_trace(write(tmp_path, {"traceEvents": events}))
+    assert t.skipped == {"missing dur": 1, "non-numeric ts or dur": 1} and len(t.kernels) == 6
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"{not json", "not valid JSON"),
+    (json.dumps({"events": []}).encode(), "without a 'traceEvents' key"),
+    (json.dumps([ev("kernel", "k", 0, 1)]).encode(), "a JSON array"),
+    (gzip.compress(json.dumps({"traceEvents": kineto_events()}).encode())[:60], "truncated or corrupt"),
+])
+def test_bad_files_name_the_file_and_problem(tmp_path, content, needle):
+    p = tmp_path / "bad.json"
+    p.write_bytes(content)
+    with pytest.raises(cg.TraceFormatError, match=needle) as info:
+        load_trace(p)
+    assert "bad.json" in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(cg.TraceFormatError, match="no such trace file"):
+        load_trace(tmp_path / "none.json")
+
+
+def test_all_events_unreadable_is_an_error(tmp_path):
+    with pytest.raises(cg.TraceFormatError, match="none of its 2 events"):
+        load_trace(write(tmp_path, {"traceEvents": [{"cat": "kernel", "ph": "X"}, {"cat": "kernel", "ph": "X"}]}))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.floats(allow_nan=False) | st.integers() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=20)
+event_like = st.fixed_dictionaries({}, optional={
+    "ph": st.sampled_from(["X", "B", "i", 3]), "cat": st.sampled_from(["kernel", "cuda_runtime", "gpu_memcpy",
+                                                                       "user_annotation", "cpu_op", "x"]),
+    "name": json_values, "ts": json_values, "dur": json_values, "args": json_values, "pid": json_values})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=st.lists(event_like | json_values, max_size=12), cut=st.integers(min_value=0, max_value=400),
+       gz=st.booleans())
+def test_malformed_traces_never_raise_anything_else(tmp_path, events, cut, gz):
+    data = json.dumps({"traceEvents": events}).encode()
+    if cut:
+        data = data[: max(1, len(data) - cut)]
+    p = tmp_path / ("h.json.gz" if gz else "h.json")
+    p.write_bytes(gzip.compress(data) if gz else data)
+    try:
+        t = load_trace(p)
+    except cg.TraceFormatError as exc:
+        assert str(p) in str(exc)
+        return
+    t.summary()
+    t.launch_stats()  # a parsed trace always yields consistent summaries
