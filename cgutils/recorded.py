@@ -58,6 +58,12 @@ def live_store() -> ResultsStore:
     return ResultsStore(env.gpu_slug(torch.cuda.get_device_name(0)), root=root)
 
 
+def current_store() -> ResultsStore:
+    """The store a notebook reads its GPU artefacts from: :func:`live_store` in live mode (where the
+    live cells just wrote them), else the recorded store (:class:`ResultsStore` default)."""
+    return live_store() if env.mode() == "live" else ResultsStore()
+
+
 def recording_enabled() -> bool:
     """True when live runs should write recordings (``CGUTILS_RECORD=1``, as ``make record`` sets)."""
     return os.environ.get("CGUTILS_RECORD", "") == "1"

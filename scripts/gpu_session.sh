@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -m cgutils env
 
 step "GPU tests"
-python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests 2>&1 | tee "$out/gpu_tests.log"
 
 if [ "$what" = smoke ]; then
   step "short benchmark"

@@ -168,3 +168,46 @@ def test_malformed_traces_never_raise_anything_else(tmp_path, events, cut, gz):
         return
     t.summary()
     t.launch_stats()  # a parsed trace always yields consistent summaries
+
+
+@pytest.mark.gpu
+def test_real_graph_replay_trace_links_every_kernel(tmp_path):
+    import torch
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).cuda().eval()
+    x = torch.randn(4, 256, device="cuda")
+    runner = cg.GraphRunner(model)
+    runner(x)
+    with cg.nvtx_range("forward"):
+        pass
+    path = cg.profile(lambda: runner(x), tmp_path / "replay", warmup=1, active=2)
+    t = load_trace(path)
+    graph = t.links()
+    graph = graph[graph.call.isin(["cudaGraphLaunch", "cuGraphLaunch"])]
+    assert graph.correlation.nunique() == 2  # one graph launch per active step
+    replayed = t.kernels[t.kernels.correlation.isin(graph.correlation)]
+    assert len(replayed) >= 2 * 8  # every Linear's kernel(s), per replay
+    assert t.summary().graph_launches == 2
+
+
+def test_annotations_reach_the_profiler_trace(tmp_path):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with cg.annotate_modules(model, depth=1) as hooks:
+        path = cg.profile(lambda: model(torch.randn(2, 4)), tmp_path / "cpu", warmup=1, active=1)
+    assert hooks.names == ["Sequential", "Sequential.0", "Sequential.1"]
+    names = set(load_trace(path).annotations.name)
+    assert {"Sequential", "Sequential.0", "Sequential.1"} <= names
+    assert len(model._forward_pre_hooks) == 0  # removed on exit
+
+
+def test_nvtx_range_as_decorator_and_nested():
+    @cg.nvtx_range("outer")
+    def f():
+        with cg.nvtx_range("inner"):
+            return 3
+
+    assert f() == 3 and f() == 3
+    with pytest.raises(ValueError, match="non-empty string"):
+        cg.nvtx_range("")
