@@ -230,6 +230,8 @@ DECODER_LABELS = {"hf_dynamic": "transformers generate (dynamic cache)",
 
 
 def _gpt2(dtype: str):
+    if not env.cuda_available():
+        raise NoCudaError("the generation benchmarks measure on a CUDA GPU and none is visible")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from .workloads import DTYPES

@@ -258,28 +258,46 @@ def _default_rtol(dtypes: set[torch.dtype]) -> float:
 def max_rel_error(actual: Any, expected: Any) -> float:
     """Largest relative error between two nests of tensors: ``max|a-e| / max|e|`` per leaf.
 
-    Integer and bool leaves count 0.0 when equal and ``inf`` otherwise.
+    Integer and bool leaves count 0.0 when equal and ``inf`` otherwise. NaN or infinity where the
+    other side has none (or another value) counts ``inf``: a replay that produces NaN never passes.
 
     Raises:
-        InputError: if the two nests differ in structure or shapes.
+        InputError: if the two nests differ in structure or shapes, or a leaf pair is not two tensors.
     """
     a_leaves, e_leaves = tree_leaves(actual), tree_leaves(expected)
     if len(a_leaves) != len(e_leaves):
         raise InputError(f"outputs differ in structure: {len(a_leaves)} vs {len(e_leaves)} leaves")
     worst = 0.0
-    for (path, a), (_, e) in zip(a_leaves, e_leaves, strict=False):
-        if not isinstance(a, torch.Tensor):
+    for (path, a), (_, e) in zip(a_leaves, e_leaves, strict=True):
+        if not isinstance(a, torch.Tensor) and not isinstance(e, torch.Tensor):
             continue
+        if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)):
+            raise InputError(f"{path}: cannot compare {type(a).__name__} with {type(e).__name__}; "
+                             f"max_rel_error takes tensors or nests of tensors")
         if a.shape != e.shape:
             raise InputError(f"{path}: shape {tuple(a.shape)} vs {tuple(e.shape)}")
-        if a.is_floating_point() or a.is_complex():
-            a64, e64 = a.double(), e.double()
-            scale = e64.abs().max().clamp_min(torch.finfo(torch.float64).tiny) if e.numel() else 1.0
-            err = float((a64 - e64).abs().max() / scale) if e.numel() else 0.0
-        else:
-            err = 0.0 if torch.equal(a, e) else float("inf")
-        worst = max(worst, err)
+        worst = max(worst, _leaf_rel_error(a, e))
     return worst
+
+
+def _leaf_rel_error(a: torch.Tensor, e: torch.Tensor) -> float:
+    if not (a.is_floating_point() or a.is_complex()):
+        return 0.0 if torch.equal(a, e) else float("inf")
+    if e.numel() == 0:
+        return 0.0
+    a64, e64 = a.detach().double(), e.detach().double()
+    fin_e = torch.isfinite(e64)
+    if not torch.equal(torch.isfinite(a64), fin_e):
+        return float("inf")  # NaN or inf on one side only: never "close"
+    special = ~fin_e
+    if special.any() and not torch.equal(torch.nan_to_num(a64[special], nan=0.0),
+                                         torch.nan_to_num(e64[special], nan=0.0)):
+        return float("inf")  # +inf against -inf, or inf against NaN
+    a64, e64 = a64[fin_e], e64[fin_e]
+    if e64.numel() == 0:
+        return 0.0
+    scale = e64.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    return float((a64 - e64).abs().max() / scale)
 
 
 def pool_reserved_bytes(pool: Any) -> int:
@@ -414,8 +432,10 @@ class GraphRunner:
                  pool: Any = None):
         if not callable(fn):
             raise InputError(f"GraphRunner needs a callable (module or function), got {type(fn).__name__}")
-        if warmup < 1:
-            raise InputError(f"warmup must be >= 1 (lazy initialisation must not be captured), got {warmup}")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+            raise InputError(f"warmup must be an int >= 1 (lazy initialisation must not be captured), got {warmup!r}")
+        if rtol is not None and not (isinstance(rtol, (int, float)) and rtol >= 0):
+            raise InputError(f"rtol must be a number >= 0 (a relative error), got {rtol!r}")
         self.fn = fn
         self.warmup = warmup
         self.validate = validate

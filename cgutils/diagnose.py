@@ -32,7 +32,8 @@ class Explanation:
 
 _SYNC_FIX = ("move the sync out of the captured function: keep values on the GPU (torch.where, "
              "masking instead of boolean indexing, fixed-size outputs), or run that part eagerly "
-             "outside the graph. cgutils.diagnose.find_sync_points lists the syncs in your code.")
+             "outside the graph. To find the syncs in your code, run it once eagerly under "
+             "torch.cuda.set_sync_debug_mode('error'): each sync then raises at its own line.")
 
 _RULES: list[tuple[str, str, str]] = [
     (r"operation not permitted when stream is capturing|cudaErrorStreamCaptureUnsupported",

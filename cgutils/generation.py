@@ -32,12 +32,18 @@ LENGTH_BUCKETS = (128, 256, 512, 1024)
 MODES = ("eager", "graph", "compile")
 
 
-def _bucket(n: int, buckets: tuple[int, ...], what: str) -> int:
+def _bucket(n: int, buckets: tuple[int, ...], what: str, fix: str = "") -> int:
     for b in buckets:
         if n <= b:
             return b
-    raise InputError(f"{what} {n} is larger than the largest bucket {buckets[-1]}; pass larger buckets "
-                     f"(e.g. {what.replace(' ', '_')}_buckets=(..., {n}))")
+    raise InputError(f"{what} {n} is larger than the largest bucket {buckets[-1]}" + (f"; {fix}" if fix else ""))
+
+
+def _check_buckets(buckets: Any, name: str) -> tuple[int, ...]:
+    vals = tuple(buckets)
+    if not vals or not all(isinstance(b, int) and b > 0 for b in vals):
+        raise InputError(f"{name} must be a non-empty sequence of positive ints, got {buckets!r}")
+    return tuple(sorted(set(vals)))
 
 
 class StaticKVState(nn.Module):
@@ -58,6 +64,12 @@ class StaticKVState(nn.Module):
     """
 
     def __init__(self, model: nn.Module, batch: int, max_len: int):
+        """Allocate the cache for ``model`` (a GPT2LMHeadModel), ``batch`` rows and ``max_len`` positions,
+        on the model's device and in its dtype.
+
+        Raises:
+            InputError: ``max_len`` larger than the model's position table.
+        """
         super().__init__()
         cfg = model.config
         if max_len > cfg.n_positions:
@@ -149,6 +161,8 @@ class GreedyDecoder:
                  length_buckets=LENGTH_BUCKETS, steps_per_graph: int = 16):
         if mode not in MODES:
             raise InputError(f"mode must be one of {MODES}, got {mode!r}")
+        if not (hasattr(model, "transformer") and hasattr(model, "lm_head") and hasattr(model.config, "n_positions")):
+            raise InputError(f"GreedyDecoder needs a transformers GPT2LMHeadModel, got {type(model).__name__}")
         if steps_per_graph < 1:
             raise InputError(f"steps_per_graph must be >= 1, got {steps_per_graph}")
         self.steps_per_graph = steps_per_graph
@@ -159,7 +173,10 @@ class GreedyDecoder:
         if model.training:
             warnings.warn("GreedyDecoder got a model in training mode; call model.eval()", stacklevel=2)
         self.model, self.mode = model, mode
-        self.batch_buckets, self.length_buckets = tuple(batch_buckets), tuple(length_buckets)
+        self.batch_buckets = _check_buckets(batch_buckets, "batch_buckets")
+        # a cache longer than the position table is useless: cap the length buckets at it
+        n_pos = model.config.n_positions
+        self.length_buckets = tuple(sorted({min(b, n_pos) for b in _check_buckets(length_buckets, "length_buckets")}))
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
 
@@ -203,7 +220,7 @@ class GreedyDecoder:
         """Greedy continuation of ``prompt``.
 
         Args:
-            prompt: (B, T) int64 token ids on the model's device; all rows the same length.
+            prompt: (B, T) int64 token ids in ``[0, vocab)`` on the model's device; all rows the same length.
             max_new_tokens: tokens to generate (>= 1); the first comes from the prefill.
             step_times: if a list is given, CUDA events time each decode step and their durations
                 (ms) are appended to it (adds a little overhead; CUDA only). Steps are then replayed
@@ -213,7 +230,9 @@ class GreedyDecoder:
             (B, T + max_new_tokens) int64: the prompt followed by the generated tokens.
 
         Raises:
-            InputError: wrong dtype, rank or device of ``prompt``; sizes beyond the buckets.
+            InputError: wrong dtype, rank or device of ``prompt``; an empty prompt; token ids outside
+                ``[0, vocab)``; sizes beyond the buckets or GPT-2's position table; ``step_times``
+                without CUDA.
         """
         dev = self.model.lm_head.weight.device
         if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
@@ -222,11 +241,22 @@ class GreedyDecoder:
                              f"with shape {tuple(getattr(prompt, 'shape', ()))}")
         if prompt.device != dev:
             raise InputError(f"prompt is on {prompt.device} but the model is on {dev}; use prompt.to({str(dev)!r})")
-        if max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         b, T = prompt.shape
-        B = _bucket(b, self.batch_buckets, "batch size")
-        S = _bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens")
+        if b == 0 or T == 0:
+            raise InputError(f"prompt must hold at least one row and one token, got shape {tuple(prompt.shape)}")
+        vocab = self.model.config.vocab_size
+        lo, hi = int(prompt.min()), int(prompt.max())  # a sync, but outside any graph
+        if lo < 0 or hi >= vocab:
+            raise InputError(f"token ids must lie in [0, {vocab}), got values from {lo} to {hi}")
+        if step_times is not None and dev.type != "cuda":
+            raise InputError("step_times uses CUDA events; it needs the model on a CUDA device")
+        B = _bucket(b, self.batch_buckets, "batch size", "pass a larger batch_buckets=(..., n) or split the batch")
+        S = _bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens",
+                    f"GPT-2 holds at most {self.model.config.n_positions} positions: shorten the prompt or "
+                    f"generate fewer tokens" if T + max_new_tokens > self.model.config.n_positions else
+                    "pass a larger length_buckets=(..., n)")
         slot = self._slot(B, S)
         padded = torch.cat([prompt, prompt[-1:].expand(B - b, T)]) if B > b else prompt
         slot.state.prefill(padded)

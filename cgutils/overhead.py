@@ -62,14 +62,19 @@ def chain_sweep(lengths: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
 
 
 def fit_per_launch(df) -> dict[str, float]:
-    """Least-squares line through chain time against chain length (``numpy.polyfit``).
+    """Weighted least-squares line through chain time against chain length (``numpy.polyfit``).
+
+    ``df`` needs columns ``n``, ``eager_us`` and ``replay_us`` (as :func:`chain_sweep` returns). The
+    weights are ``1 / time``, so each chain counts by its relative error: with chain lengths spaced
+    on a log scale, an unweighted fit would be set by the longest chains alone and its intercept
+    would mean nothing for short ones.
 
     Returns:
         ``eager_slope_us`` (µs per eager launch), ``replay_slope_us`` (µs per graph node),
         ``eager_intercept_us`` and ``replay_intercept_us`` (fixed cost per chain / per replay, µs).
     """
-    e_slope, e_icpt = np.polyfit(df.n, df.eager_us, 1)
-    r_slope, r_icpt = np.polyfit(df.n, df.replay_us, 1)
+    e_slope, e_icpt = np.polyfit(df.n, df.eager_us, 1, w=1 / df.eager_us)
+    r_slope, r_icpt = np.polyfit(df.n, df.replay_us, 1, w=1 / df.replay_us)
     return {"eager_slope_us": float(e_slope), "eager_intercept_us": float(e_icpt),
             "replay_slope_us": float(r_slope), "replay_intercept_us": float(r_icpt)}
 
@@ -159,15 +164,35 @@ def cpu_dispatch_cost(ops: int = 2000, repeats: int = 15):
 def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     """GPU activities (kernels, memcpy, memset) of one call of ``run`` and their summed GPU time (µs),
     from torch.profiler (CUPTI). Kernels replayed by a graph are reported as well where CUPTI
-    supports it; a count of 0 for a replay means it did not."""
+    supports it; a count of 0 for a replay means it did not. The first profiler session of a process
+    can report extra activities, so a throw-away session runs first.
+
+    Raises:
+        NoCudaError: without a CUDA device.
+    """
     from torch.profiler import ProfilerActivity, profile
 
+    _need_cuda("gpu_activity")
+    _warm_profiler()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(acts), float(sum(e.time_range.elapsed_us() for e in acts))
+
+
+def _warm_profiler() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    if not _profiler_warm:
+        with profile(activities=[ProfilerActivity.CUDA]):
+            torch.zeros(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+        _profiler_warm.append(True)
+
+
+_profiler_warm: list = []
 
 
 def launch_bound_table(progress: bool = True):
@@ -239,11 +264,16 @@ PUBLISHED_LAUNCH_US = [
 def runtime_calls(run: Callable[[], Any]) -> dict[str, int]:
     """CUDA runtime and driver API calls (``cuda*``/``cu*`` events on the CPU side of a torch.profiler
     trace) made by one call of ``run``, by name, e.g. ``{"cudaLaunchKernel": 211}`` eager or
-    ``{"cudaGraphLaunch": 1}`` for a replay."""
+    ``{"cudaGraphLaunch": 1}`` for a replay.
+
+    Raises:
+        NoCudaError: without a CUDA device.
+    """
     import collections
 
     from torch.profiler import ProfilerActivity, profile
 
+    _need_cuda("runtime_calls")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()

@@ -13,6 +13,10 @@ import matplotlib.pyplot as plt
 from . import env
 
 FIGURES = env.REPO_ROOT / "figures"
+"""Committed figures: written only while recording on a GPU (``make record``)."""
+SCRATCH_FIGURES = env.REPO_ROOT / "build" / "figures"
+"""Where other runs (``make run``, the tests, a notebook in JupyterLab) write, so they never touch
+the committed files."""
 COLORS = {"eager": "#7f7f7f", "graph_runner": "#76b900", "raw_graph": "#1f77b4", "compile_ro": "#ff7f0e",
           "article": "#000000"}
 
@@ -20,10 +24,14 @@ COLORS = {"eager": "#7f7f7f", "graph_runner": "#76b900", "raw_graph": "#1f77b4",
 def save_figure(fig, name: str, folder: Path | str | None = None) -> list[Path]:
     """Save ``fig`` as ``<folder>/<name>.png`` (150 dpi) and ``.svg``; returns the paths.
 
-    Metadata that changes per run (software version, date) is left out so that re-drawing the same
-    data gives the same files.
+    Default folder: ``figures/`` while recording (``CGUTILS_RECORD=1``), else ``build/figures/``.
+    Metadata that changes per run (software version, date, SVG element ids) is left out so that
+    re-drawing the same data gives the same files.
     """
-    folder = Path(folder) if folder is not None else FIGURES
+    from .recorded import recording_enabled
+
+    folder = Path(folder) if folder is not None else (FIGURES if recording_enabled() else SCRATCH_FIGURES)
+    plt.rcParams["svg.hashsalt"] = "cgutils"
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{name}.png", folder / f"{name}.svg"]
     fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata={"Software": None})

@@ -88,6 +88,8 @@ class ResultsStore:
 
     def __init__(self, slug: str | None = None, root: Path | str | None = None):
         self.root = Path(root) if root is not None else results_root()
+        if slug is not None and (not isinstance(slug, str) or slug != env.gpu_slug(slug)):
+            raise InputError(f"GPU slug {slug!r} must look like 'nvidia-h200' (lowercase letters, digits, dashes)")
         self.slug = slug or self.default_slug(self.root)
         self.path = self.root / self.slug
 
@@ -105,7 +107,11 @@ class ResultsStore:
             RecordingError: if nothing is recorded.
         """
         if os.environ.get("CGUTILS_RECORDED_GPU"):
-            return os.environ["CGUTILS_RECORDED_GPU"]
+            slug = os.environ["CGUTILS_RECORDED_GPU"]
+            if slug not in cls.available(root):
+                raise RecordingError(f"CGUTILS_RECORDED_GPU={slug!r} has no recording; available: "
+                                     f"{cls.available(root) or 'none'}")
+            return slug
         if env.cuda_available():
             import torch
 
@@ -135,7 +141,7 @@ class ResultsStore:
 
     # frames and values
     def _value_path(self, name: str, suffix: str) -> Path:
-        if not name or ".." in Path(name).parts or Path(name).is_absolute():
+        if not isinstance(name, str) or not name or ".." in Path(name).parts or Path(name).is_absolute():
             raise InputError(f"result name {name!r} must be a relative path inside the store")
         return self.path / f"{name}{suffix}"
 
@@ -469,9 +475,15 @@ def check_recordings(notebooks_dir: Path | str | None = None, store: ResultsStor
 
     Returns:
         One :class:`CellStatus` per recorded cell; all ``ok`` means recorded mode will show current
-        outputs.
+        outputs. A cell is current when its source is unchanged; the code it calls may have changed
+        since, which the banner's commit (provenance) tells.
+
+    Raises:
+        RecordingError: ``notebooks_dir`` is missing or holds no notebook.
     """
     nb_dir = Path(notebooks_dir) if notebooks_dir is not None else env.REPO_ROOT / "notebooks"
+    if not nb_dir.is_dir() or not any(nb_dir.glob("*.ipynb")):
+        raise RecordingError(f"{nb_dir} is not a folder of notebooks (*.ipynb); nothing to check")
     store = store or ResultsStore()
     result = []
     for nb_path in sorted(nb_dir.glob("*.ipynb")):

@@ -83,12 +83,21 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
         Timing with median, p10, p90 in ms and n == iters.
 
     Raises:
-        InputError: if ``warmup < 0`` or ``iters < 1``, or ``device`` is CUDA but none is present.
+        InputError: ``fn`` not callable; ``warmup``/``iters`` not ints or out of range; a device other
+            than CUDA or CPU, or CUDA when none is present. Exceptions raised by ``fn`` propagate.
     """
-    if warmup < 0 or iters < 1:
-        raise InputError(f"need warmup >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
-    dev = torch.device(device) if device is not None else torch.device(
-        "cuda" if torch.cuda.is_available() else "cpu")
+    if not callable(fn):
+        raise InputError(f"measure needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
+    for name, v, low in (("warmup", warmup, 0), ("iters", iters, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise InputError(f"need warmup >= 0 and iters >= 1 as ints, got {name}={v!r}")
+    try:
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"unknown device {device!r}; use 'cuda' or 'cpu'") from exc
+    if dev.type not in ("cuda", "cpu"):
+        raise InputError(f"measure times on 'cuda' (CUDA events) or 'cpu' (perf_counter), not {dev.type!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError("measure(device='cuda') but no CUDA device is visible; use device='cpu'")
 

@@ -84,9 +84,10 @@ class Trace:
 
     def device_activity(self) -> pd.DataFrame:
         """Kernels and memcpy/memset together: name, ts, dur, device, stream, correlation, kind."""
-        k = self.kernels.assign(kind="kernel")
-        m = self.memory.drop(columns=["bytes"])
-        return pd.concat([k, m], ignore_index=True).sort_values("ts", kind="stable").reset_index(drop=True)
+        parts = [df for df in (self.kernels.assign(kind="kernel"), self.memory.drop(columns=["bytes"])) if len(df)]
+        if not parts:
+            return self.kernels.assign(kind=pd.Series(dtype=object))
+        return pd.concat(parts, ignore_index=True).sort_values("ts", kind="stable").reset_index(drop=True)
 
     def links(self) -> pd.DataFrame:
         """Every launch call joined to the GPU activities it started, by correlation id.
@@ -111,18 +112,20 @@ class Trace:
             ``activities`` (kernels/copies it started; many for a graph launch), ``gpu_us`` (their
             summed duration), ``span_us`` (first start to last end).
         """
-        links = self.links()
-        if links.empty:
-            return pd.DataFrame(columns=["call", "correlation", "call_ts", "cpu_us", "launch_delay_us",
-                                         "activities", "gpu_us", "span_us"])
-        links = links.assign(end=links.ts + links.dur)
-        g = links.groupby("correlation", sort=False)
-        out = g.agg(call=("call", "first"), call_ts=("call_ts", "first"), cpu_us=("call_dur", "first"),
-                    first=("ts", "min"), last=("end", "max"), activities=("name", "size"), gpu_us=("dur", "sum"))
+        cols = ["call", "correlation", "call_ts", "cpu_us", "launch_delay_us", "activities", "gpu_us", "span_us"]
+        calls = self.runtime[self.runtime.name.isin(LAUNCH_CALLS)]
+        acts = self.device_activity()
+        if calls.empty or acts.empty:
+            return pd.DataFrame(columns=cols)
+        # numeric aggregation per correlation id first, then one merge: string columns never go
+        # through groupby, which keeps this vectorised on large traces
+        agg = acts.assign(end=acts.ts + acts.dur).groupby("correlation").agg(
+            first=("ts", "min"), last=("end", "max"), activities=("ts", "size"), gpu_us=("dur", "sum"))
+        out = calls.rename(columns={"name": "call", "ts": "call_ts", "dur": "cpu_us"}).merge(
+            agg, left_on="correlation", right_index=True, how="inner")
         out["launch_delay_us"] = out["first"] - out["call_ts"]
         out["span_us"] = out["last"] - out["first"]
-        return out.reset_index()[["call", "correlation", "call_ts", "cpu_us", "launch_delay_us", "activities",
-                                  "gpu_us", "span_us"]].sort_values("call_ts").reset_index(drop=True)
+        return out[cols].sort_values("call_ts", kind="stable").reset_index(drop=True)
 
     # --- summaries ----------------------------------------------------------------------------------
 
@@ -327,6 +330,7 @@ def load_trace(path: str | Path) -> Trace:
     frames = {}
     for k, cols in _COLUMNS.items():
         df = pd.DataFrame(rows[k], columns=cols)
+        df = df.astype({"ts": "float64", "dur": "float64"})  # also for empty tables: numeric groupbys stay vectorised
         if "correlation" in df:
             df["correlation"] = pd.to_numeric(df["correlation"], errors="coerce").fillna(-1).astype("int64")
         frames[k] = df.sort_values("ts", kind="stable").reset_index(drop=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputError
+from .errors import InputError, NoCudaError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -69,11 +69,14 @@ class Workload:
 
         Raises:
             InputError: for an unknown dtype name.
+            NoCudaError: for a CUDA device when none is visible (pass ``device="cpu"``).
         """
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise InputError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
             dtype = DTYPES[dtype]
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise NoCudaError(f"{self.name}: no CUDA device is visible; build(dtype, device='cpu') runs on the CPU")
         torch.manual_seed(0)  # same random weights every build
         return self.builder(dtype, torch.device(device))
 

@@ -23,7 +23,7 @@ python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"
 
 if [ "$what" = smoke ]; then
   step "short benchmark"
-  python3 -m cgutils bench --dtypes fp16 --budget 0.3 --out "$out/smoke_speedup.csv" 2>&1 | tee "$out/smoke_bench.log"
+  python3 -m cgutils bench --dtypes fp16 --budget 0.3 --out "$out/smoke" 2>&1 | tee "$out/smoke_bench.log"
   exit 0
 fi
 

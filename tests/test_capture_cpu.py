@@ -84,8 +84,10 @@ def test_argument_names_come_from_the_signature():
 def test_constructor_errors():
     with pytest.raises(cg.InputError, match="callable"):
         cg.GraphRunner(3)
-    with pytest.raises(cg.InputError, match="warmup must be >= 1"):
+    with pytest.raises(cg.InputError, match="warmup must be an int >= 1"):
         cg.GraphRunner(lambda x: x, warmup=0)
+    with pytest.raises(cg.InputError, match="rtol must be a number >= 0"):
+        cg.GraphRunner(lambda x: x, rtol=-1)
 
 
 def test_training_mode_warns():
@@ -124,6 +126,17 @@ def test_max_rel_error():
     assert cg.max_rel_error(torch.tensor([1, 2]), torch.tensor([1, 3])) == float("inf")
     with pytest.raises(cg.InputError, match="shape"):
         cg.max_rel_error(torch.ones(2), torch.ones(3))
+    with pytest.raises(cg.InputError, match="cannot compare Tensor with float"):
+        cg.max_rel_error(torch.ones(1), 1.0)
+
+
+def test_nan_replay_never_passes_validation():
+    """Regression: max() dropped a NaN error, so a replay producing NaN counted as exact."""
+    nan, inf = float("nan"), float("inf")
+    assert cg.max_rel_error(torch.tensor([nan]), torch.tensor([1.0])) == inf
+    assert cg.max_rel_error(torch.tensor([1.0, 2.0]), torch.tensor([nan, 2.0])) == inf
+    assert cg.max_rel_error(torch.tensor([inf]), torch.tensor([-inf])) == inf
+    assert cg.max_rel_error(torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0])) == 0.0  # same NaNs: equal
 
 
 # error texts as PyTorch 2.11 / CUDA 13 print them

@@ -49,14 +49,34 @@ def test_errors_are_clear(tiny):
         dec.generate(torch.zeros(1, 4), 5)
     with pytest.raises(cg.InputError, match=r"\(batch, length\)"):
         dec.generate(torch.zeros(4, dtype=torch.int64), 5)
-    with pytest.raises(cg.InputError, match="batch size 9 is larger than the largest bucket 8"):
+    with pytest.raises(cg.InputError, match="batch size 9 is larger than the largest bucket 8; pass a larger batch_buckets"):
         dec.generate(torch.zeros(9, 4, dtype=torch.int64), 5)
-    with pytest.raises(cg.InputError, match="prompt \\+ new tokens 1030"):
+    with pytest.raises(cg.InputError, match="prompt \\+ new tokens 1030 .*at most 1024 positions"):
         dec.generate(torch.zeros(1, 30, dtype=torch.int64), 1000)
     with pytest.raises(cg.InputError, match="steps_per_graph must be >= 1"):
         GreedyDecoder(tiny, mode="eager", steps_per_graph=0)
-    with pytest.raises(cg.InputError, match="max_new_tokens must be >= 1"):
+    with pytest.raises(cg.InputError, match="max_new_tokens must be an int >= 1"):
         dec.generate(torch.zeros(1, 4, dtype=torch.int64), 0)
+    with pytest.raises(cg.InputError, match="max_new_tokens must be an int >= 1, got 2.5"):
+        dec.generate(torch.zeros(1, 4, dtype=torch.int64), 2.5)
+    with pytest.raises(cg.InputError, match="at least one row and one token"):
+        dec.generate(torch.zeros(0, 4, dtype=torch.int64), 5)
+    with pytest.raises(cg.InputError, match=r"token ids must lie in \[0, 50257\)"):
+        dec.generate(torch.full((1, 4), 50257), 5)
+    with pytest.raises(cg.InputError, match="step_times uses CUDA events"):
+        dec.generate(torch.zeros(1, 4, dtype=torch.int64), 5, step_times=[])
+    with pytest.raises(cg.InputError, match="batch_buckets must be a non-empty sequence"):
+        GreedyDecoder(tiny, mode="eager", batch_buckets=())
+    with pytest.raises(cg.InputError, match="needs a transformers GPT2LMHeadModel"):
+        GreedyDecoder(torch.nn.Linear(2, 2), mode="eager")
+
+
+def test_length_buckets_are_capped_at_the_position_table():
+    torch.manual_seed(0)
+    short = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=100)).eval()
+    dec = GreedyDecoder(short, mode="eager")
+    assert dec.length_buckets == (100,)
+    assert dec.generate(torch.zeros(1, 5, dtype=torch.int64), 15).shape == (1, 20)  # failed before: bucket 128 > 100
 
 
 # --- GPU (the lent H200) ---------------------------------------------------------------------------

@@ -47,3 +47,14 @@ def test_measure_cuda_without_cuda_is_a_clear_error(monkeypatch):
 
 def test_timing_str_has_units():
     assert "ms median" in str(summarize([1.0, 2.0, 3.0], "cuda_event"))
+
+
+def test_measure_rejects_bad_arguments_clearly():
+    with pytest.raises(cg.InputError, match="callable"):
+        cg.measure(5)
+    with pytest.raises(cg.InputError, match="iters=2.5"):
+        cg.measure(lambda: None, iters=2.5, device="cpu")
+    with pytest.raises(cg.InputError, match="not 'meta'"):
+        cg.measure(lambda: None, device="meta")
+    with pytest.raises(cg.InputError, match="unknown device 'gpu'"):
+        cg.measure(lambda: None, device="gpu")

@@ -211,3 +211,12 @@ def test_nvtx_range_as_decorator_and_nested():
     assert f() == 3 and f() == 3
     with pytest.raises(ValueError, match="non-empty string"):
         cg.nvtx_range("")
+
+
+def test_empty_tables_keep_numeric_times(tmp_path):
+    """Regression: a trace without memcpy gave object-dtype times, and launch_stats fell back to a
+    per-group Python loop (seconds on a 200k-event trace)."""
+    events = [e for e in kineto_events() if e.get("cat") not in ("gpu_memcpy",)]
+    t = load_trace(write(tmp_path, {"traceEvents": events}))
+    assert t.memory.empty and t.memory.ts.dtype == "float64"
+    assert t.device_activity().ts.dtype == "float64"
