@@ -43,7 +43,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     prov = env.provenance()
     print(f"mode: {env.mode()}")
     for k, v in prov.items():
-        print(f"{k}: {v}")
+        print(f"{'cuda (torch build)' if k == 'cuda' else k}: {v}")
     print(f"recordings: {', '.join(ResultsStore.available()) or 'none'}")
     return 0
 
@@ -107,7 +107,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .recorded import live_store
 
     if not env.cuda_available() or env.mode() == "recorded":
-        return _show_recorded(args.suite, "No CUDA device visible: nothing measured here.", args.markdown)
+        given = [f"--{k}" for k in ("workloads", "out") if getattr(args, k)]
+        note = f" ({', '.join(given)} apply to measuring and are ignored.)" if given else ""
+        return _show_recorded(args.suite, f"No CUDA device visible: nothing measured here.{note}", args.markdown)
     store = live_store()
     if args.show:
         if all((store.path / f"{n}.csv").exists() for n in SUITES[args.suite]):

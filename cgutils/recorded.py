@@ -177,6 +177,11 @@ class ResultsStore:
             p = self._value_path(name, ".meta.json")
             p.parent.mkdir(parents=True, exist_ok=True)
             _write_json(p, prov)
+        # one format per name: a stale file of the other format would shadow this one on load
+        for other in (".csv", ".json"):
+            stale = self._value_path(name, other)
+            if stale.exists() and (other == ".csv") != _is_frame(value):
+                stale.unlink()
         if _is_frame(value):
             return self.save_frame(name, value)
         p = self._value_path(name, ".json")

@@ -131,3 +131,12 @@ def test_pool_bytes_counts_only_this_pool():
     before = cg.capture.pool_reserved_bytes(pool)
     runner(torch.randn(64, 1024, device="cuda"))
     assert before == 0 and cg.capture.pool_reserved_bytes(pool) == runner.stats.graphs[0].pool_bytes > 0
+
+
+def test_graph_methods_memory_is_not_negative():
+    """Regression: torch._dynamo.reset() ran inside the measured window and freed the previous
+    method's graph pool, so GraphRunner(torch.compile(fn)) reported negative extra memory."""
+    from cgutils.bench import graph_methods_table
+
+    df = graph_methods_table(["resnet50"], methods=["compile_ro", "graph_runner_compiled"], iters=5, progress=False)
+    assert (df.status == "ok").all() and (df.extra_reserved_bytes >= 0).all()

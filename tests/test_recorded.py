@@ -169,3 +169,25 @@ def test_table_keeps_its_own_provenance(tmp_results):
     store.write_meta({**PROV, "git_commit": "second"})  # another notebook recorded later
     assert store.meta_for("speedup")["git_commit"] == "first"
     assert store.meta_for("never-saved")["git_commit"] == "second"  # falls back to the store's
+
+
+def test_saving_another_format_replaces_the_old_file(tmp_results):
+    """Regression: a JSON value saved under the name of an older CSV was shadowed by the CSV on load."""
+    store = ResultsStore("nvidia-h200")
+    store.save_value("f", pd.DataFrame({"a": [1]}))
+    store.save_value("f", {"now": "json"})
+    assert store.load_value("f") == {"now": "json"}
+    store.save_value("f", pd.DataFrame({"b": [2]}))
+    assert store.load_value("f").columns.tolist() == ["b"]
+
+
+def test_unknown_recorded_gpu_lists_what_exists(tmp_results, monkeypatch):
+    ResultsStore("nvidia-h200").write_meta(PROV)
+    monkeypatch.setenv("CGUTILS_RECORDED_GPU", "nope")
+    with pytest.raises(cg.RecordingError, match=r"'nope' has no recording; available: \['nvidia-h200'\]"):
+        ResultsStore()
+
+
+def test_check_recordings_needs_a_notebook_folder(tmp_results, tmp_path):
+    with pytest.raises(cg.RecordingError, match="not a folder of notebooks"):
+        check_recordings(tmp_path / "missing")
