@@ -19,13 +19,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-## run: execute every notebook headless into build/ (also as HTML), write figures/, print the speedup table
+## run: execute every notebook headless into build/ (also as HTML, figures in build/figures/), print the speedup table
 run: $(DEPS)
 	mkdir -p build/notebooks build/html
 	$(PY) -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
 		--output-dir build/notebooks $(NOTEBOOKS)
 	$(PY) -m jupyter nbconvert --to html --output-dir build/html build/notebooks/*.ipynb
-	@echo "Executed notebooks: build/notebooks/ (HTML: build/html/), figures: figures/"
+	@echo "Executed notebooks: build/notebooks/ (HTML: build/html/), figures: build/figures/"
 	$(PY) -m cgutils bench --show
 
 ## test: unit tests and every notebook under nbmake (GPU tests: `$(PY) -m pytest -m gpu` on a GPU)

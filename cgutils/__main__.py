@@ -29,6 +29,8 @@ def _print_summary(df, source: str, prov: dict | None = None, markdown: bool = F
         return
 
     summary = summary_table(df)
+    print("Median latency per iteration in ms (eager, graph_runner, raw_graph, compile_ro); speedups are "
+          "eager / variant from the same run; article_* are the source article's A100 figures.")
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
         print(summary.to_string(index=False))
     problems = df[df.status != "ok"]
