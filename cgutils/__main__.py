@@ -178,14 +178,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from .trace import load_trace
 
     t = load_trace(args.file)
+    ranges = t.by_range(args.range) if args.range else None  # an unknown name fails before any output
     s = t.summary()
     with pd.option_context("display.precision", 3):
         print(s.drop("verdict").to_string())
     print(f"verdict: {s.verdict}")
     if t.skipped:
         print(f"skipped events: {t.skipped}")
-    if args.range:
-        print(t.by_range(args.range).to_string(index=False))
+    if ranges is not None:
+        first = min(df.ts.min() for df in (t.ops, t.runtime, t.kernels, t.annotations) if len(df))
+        ranges = ranges.assign(ts=ranges.ts - first).rename(columns={"ts": "start_us", "dur": "dur_us"})
+        print(f"\nGPU work launched inside '{args.range}' (start_us from the first event of the trace):")
+        with pd.option_context("display.precision", 1):
+            print(ranges.to_string(index=False))
     return 0
 
 

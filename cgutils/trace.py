@@ -3,6 +3,8 @@ driver call to the GPU work it started (graph-aware), and summarise launch overh
 
 Units: every ``ts`` (start) and ``dur`` (duration) column is in microseconds (µs), as in the Chrome
 trace format ("Trace Event Format", Google; Kineto writes ``ts``/``dur`` in µs with fractional parts).
+A top-level ``displayTimeUnit`` only changes how viewers display times, not the unit of ``ts``/``dur``,
+so it is ignored.
 
 Linking: CUPTI gives each runtime/driver API call a correlation id and stamps the GPU activities it
 started with the same id. A ``cudaGraphLaunch`` starts every kernel of the graph, and CUPTI reports
@@ -33,17 +35,6 @@ _CATEGORY = {
     "gpu_memcpy": "memory", "memcpy": "memory", "gpu_memset": "memory", "memset": "memory",
     "user_annotation": "annotations", "gpu_user_annotation": "annotations",
 }
-
-LAUNCH_CALLS = frozenset({
-    "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchKernelEx", "cudaLaunchCooperativeKernel",
-    "cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
-    "cudaGraphLaunch", "cuGraphLaunch",
-    "cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync", "cudaMemset", "cuMemcpyAsync", "cuMemsetD8Async",
-    "cuMemsetD32Async",
-    "hipLaunchKernel", "hipExtLaunchKernel", "hipModuleLaunchKernel", "hipExtModuleLaunchKernel",
-    "hipGraphLaunch", "hipMemcpyAsync", "hipMemsetAsync", "hipMemcpyWithStream",
-})
-"""Runtime and driver calls that start GPU work (CUDA and HIP names)."""
 
 GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch", "hipGraphLaunch"})
 
@@ -89,6 +80,14 @@ class Trace:
             return self.kernels.assign(kind=pd.Series(dtype=object))
         return pd.concat(parts, ignore_index=True).sort_values("ts", kind="stable").reset_index(drop=True)
 
+    def launch_calls(self) -> pd.DataFrame:
+        """Runtime and driver calls that started GPU work: those whose correlation id appears on a
+        kernel, memcpy or memset. No list of API names is needed, so ``cudaLaunchKernelExC``,
+        ``cuLaunchKernelEx``, ``cudaMemcpy2DAsync``, HIP's calls and future ones all count."""
+        acts = self.device_activity()
+        rt = self.runtime
+        return rt[(rt.correlation >= 0) & rt.correlation.isin(acts.correlation)]
+
     def links(self) -> pd.DataFrame:
         """Every launch call joined to the GPU activities it started, by correlation id.
 
@@ -97,10 +96,10 @@ class Trace:
             ``name``, ``ts``, ``dur``, ``stream``, ``kind``. A ``cudaGraphLaunch`` has one row per
             replayed kernel.
         """
-        calls = self.runtime[self.runtime.name.isin(LAUNCH_CALLS)]
-        calls = calls[["name", "ts", "dur", "correlation"]].rename(
+        calls = self.launch_calls()[["name", "ts", "dur", "correlation"]].rename(
             columns={"name": "call", "ts": "call_ts", "dur": "call_dur"})
         acts = self.device_activity()[["name", "ts", "dur", "stream", "kind", "correlation"]]
+        acts = acts[acts.correlation >= 0]
         return calls.merge(acts, on="correlation", how="inner").sort_values(["call_ts", "ts"]).reset_index(drop=True)
 
     def launch_stats(self) -> pd.DataFrame:
@@ -113,12 +112,13 @@ class Trace:
             summed duration), ``span_us`` (first start to last end).
         """
         cols = ["call", "correlation", "call_ts", "cpu_us", "launch_delay_us", "activities", "gpu_us", "span_us"]
-        calls = self.runtime[self.runtime.name.isin(LAUNCH_CALLS)]
+        calls = self.launch_calls()
         acts = self.device_activity()
         if calls.empty or acts.empty:
             return pd.DataFrame(columns=cols)
         # numeric aggregation per correlation id first, then one merge: string columns never go
         # through groupby, which keeps this vectorised on large traces
+        acts = acts[acts.correlation >= 0]
         agg = acts.assign(end=acts.ts + acts.dur).groupby("correlation").agg(
             first=("ts", "min"), last=("end", "max"), activities=("ts", "size"), gpu_us=("dur", "sum"))
         out = calls.rename(columns={"name": "call", "ts": "call_ts", "dur": "cpu_us"}).merge(
@@ -138,30 +138,34 @@ class Trace:
 
         Returns:
             ``pandas.Series`` with ``wall_us`` (first to last CPU launch call or GPU activity),
-            ``gpu_busy_us`` (union of activity intervals over all streams), ``gpu_busy_fraction``,
-            ``gpu_idle_fraction``, ``kernels``, ``gpu_activities``, ``launches``, ``graph_launches``,
-            ``kernels_per_launch``, ``median_launch_cpu_us``, ``median_kernel_us``, ``verdict``.
+            ``gpu_busy_us`` (union of activity intervals over all streams and devices),
+            ``gpu_busy_fraction``, ``gpu_idle_fraction``, ``kernels``, ``gpu_activities`` (kernels,
+            memcpy, memset), ``launches`` (calls that started GPU work), ``graph_launches``,
+            ``kernels_per_launch``, ``activities_per_launch``, ``median_launch_cpu_us``,
+            ``median_kernel_us``, ``verdict``.
         """
         acts = self.device_activity()
-        calls = self.runtime[self.runtime.name.isin(LAUNCH_CALLS)]
+        calls = self.launch_calls()
         starts = pd.concat([acts.ts, calls.ts])
         ends = pd.concat([acts.ts + acts.dur, calls.ts + calls.dur])
         wall = float(ends.max() - starts.min()) if len(starts) else 0.0
         busy = _union_length(acts.ts.to_numpy(), (acts.ts + acts.dur).to_numpy())
         idle = 1 - busy / wall if wall > 0 else float("nan")
-        launched = calls[calls.correlation.isin(acts.correlation)]
+        launched = calls
         n_launch = len(launched)
         s = pd.Series(dtype=object, data={
             "wall_us": wall, "gpu_busy_us": busy,
             "gpu_busy_fraction": busy / wall if wall > 0 else float("nan"), "gpu_idle_fraction": idle,
             "kernels": len(self.kernels), "gpu_activities": len(acts), "launches": n_launch,
             "graph_launches": int(launched.name.isin(GRAPH_LAUNCHES).sum()),
-            "kernels_per_launch": len(acts) / n_launch if n_launch else float("nan"),
+            "kernels_per_launch": len(self.kernels) / n_launch if n_launch else float("nan"),
+            "activities_per_launch": len(acts) / n_launch if n_launch else float("nan"),
             "median_launch_cpu_us": float(launched.dur.median()) if n_launch else float("nan"),
             "median_kernel_us": float(self.kernels.dur.median()) if len(self.kernels) else float("nan"),
         })
         if not len(acts):
-            s["verdict"] = "no GPU activity in this trace (CPU-only?)"
+            s["verdict"] = ("empty trace" if not (len(self.ops) or len(self.runtime) or len(self.annotations))
+                            else "no GPU activity in this trace (CPU-only?)")
         elif idle >= launch_bound_idle:
             s["verdict"] = (f"launch-bound: the GPU is idle {idle:.0%} of the {wall:.0f} µs span; median kernel "
                             f"{s.median_kernel_us:.1f} µs vs median launch call {s.median_launch_cpu_us:.1f} µs")
@@ -171,7 +175,8 @@ class Trace:
 
     def by_range(self, name: str) -> pd.DataFrame:
         """GPU work launched inside each CPU annotation called ``name`` (``record_function`` or
-        :func:`cgutils.annotate.nvtx_range`).
+        :func:`cgutils.annotate.nvtx_range`): launch calls whose start falls inside the range, on any
+        thread. Nested ranges of the same name give overlapping rows; do not sum those.
 
         Returns:
             One row per range instance: ``ts``, ``dur`` (the range, µs), ``launches``, ``activities``,
@@ -238,23 +243,31 @@ def _events(path: Path):
 
 
 def _has_trace_events(path: Path) -> tuple[bool, str]:
-    """(whether the top level has a ``traceEvents`` key, top-level JSON type); stops at that key."""
+    """(whether the top level has a ``traceEvents`` list, what was found); stops right after it."""
     import ijson
 
-    kind = "?"
+    kind, after_key = "?", False
     with _open(path) as f:
         for prefix, event, value in ijson.parse(f, use_float=True):
+            if after_key:
+                return (True, "object") if event == "start_array" else (False, f"traceEvents is {event}, not a list")
             if prefix == "" and event in ("start_map", "start_array"):
                 kind = "object" if event == "start_map" else "array"
                 if kind == "array":
                     return False, kind
             elif prefix == "" and event == "map_key" and value == "traceEvents":
-                return True, kind
+                after_key = True
     return False, kind
 
 
-def _num(v: Any) -> float:
-    return float(v)
+def _num(v: Any, nonneg: bool = False) -> float:
+    """A finite float (``>= 0`` when ``nonneg``); ValueError otherwise. Booleans are not numbers here."""
+    if isinstance(v, bool):
+        raise ValueError(v)
+    x = float(v)
+    if not np.isfinite(x) or (nonneg and x < 0):
+        raise ValueError(v)
+    return x
 
 
 def load_trace(path: str | Path) -> Trace:
@@ -287,15 +300,18 @@ def load_trace(path: str | Path) -> Trace:
                 skip("not an object")
                 continue
             table = _CATEGORY.get(str(ev.get("cat", "")).lower())
-            if table is None or ev.get("ph", "X") != "X":
+            if table is None:
+                continue
+            if ev.get("ph", "X") != "X":
+                skip(f"phase {ev.get('ph')!r} (only complete 'X' events are read)")
                 continue
             try:
-                name, ts, dur = str(ev["name"]), _num(ev["ts"]), _num(ev["dur"])
+                name, ts, dur = str(ev["name"]), _num(ev["ts"]), _num(ev["dur"], nonneg=True)
             except KeyError as exc:
                 skip(f"missing {exc.args[0]}")
                 continue
-            except (TypeError, ValueError):
-                skip("non-numeric ts or dur")
+            except (TypeError, ValueError, OverflowError):
+                skip("ts or dur not a finite number (or dur < 0)")
                 continue
             args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
             corr = args.get("correlation", -1)
@@ -313,15 +329,23 @@ def load_trace(path: str | Path) -> Trace:
             else:
                 side = "gpu" if str(ev.get("cat", "")).lower().startswith("gpu") else "cpu"
                 rows["annotations"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), side))
-    except (ijson.JSONError, ijson.IncompleteJSONError) as exc:
-        raise TraceFormatError(f"{p}: not valid JSON ({exc}); was the export interrupted?") from exc
-    except (EOFError, OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+    except ijson.IncompleteJSONError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unexpected end"
+        raise TraceFormatError(f"{p}: not valid JSON ({first}); a file cut short, or not a JSON trace") from exc
+    except ijson.JSONError as exc:
+        raise TraceFormatError(f"{p}: not valid JSON ({str(exc).strip().splitlines()[0]})") from exc
+    except IsADirectoryError as exc:
+        raise TraceFormatError(f"{p}: is a directory; pass one trace file") from exc
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise TraceFormatError(f"{p}: cannot decompress ({exc}); the .gz file is truncated or corrupt") from exc
+    except OSError as exc:
+        raise TraceFormatError(f"{p}: cannot read ({exc.strerror or exc})") from exc
 
     # only an empty result needs telling apart "no traceEvents key" from "an empty list"
     has_key, kind = _has_trace_events(p) if seen == 0 else (True, "object")
     if not has_key:
-        what = "a JSON array" if kind == "array" else "a JSON object without a 'traceEvents' key"
+        what = ("a JSON array" if kind == "array" else kind if kind.startswith("traceEvents")
+                else "a JSON object without a 'traceEvents' key")
         raise TraceFormatError(f"{p}: {what}; expected a Chrome trace object with 'traceEvents' "
                                f"(as torch.profiler's export_chrome_trace writes)")
     if seen and sum(len(v) for v in rows.values()) == 0 and skipped:
@@ -329,9 +353,15 @@ def load_trace(path: str | Path) -> Trace:
 
     frames = {}
     for k, cols in _COLUMNS.items():
+        if k == "runtime" and rows[k]:
+            corr = pd.to_numeric(pd.Series([r[5] for r in rows[k]]), errors="coerce").fillna(-1)
+            dup = corr.duplicated(keep=False) & (corr >= 0)
+            if dup.any():  # two calls claiming one id: neither can be linked safely
+                skipped["runtime calls sharing a correlation id (not linked)"] = int(dup.sum())
+                rows[k] = [r[:5] + (-1,) + r[6:] if d else r for r, d in zip(rows[k], dup)]
         df = pd.DataFrame(rows[k], columns=cols)
         df = df.astype({"ts": "float64", "dur": "float64"})  # also for empty tables: numeric groupbys stay vectorised
-        if "correlation" in df:
+        if "correlation" in df:  # -1: no id; such events are never linked
             df["correlation"] = pd.to_numeric(df["correlation"], errors="coerce").fillna(-1).astype("int64")
         frames[k] = df.sort_values("ts", kind="stable").reset_index(drop=True)
     return Trace(path=str(p), skipped=skipped, **frames)

@@ -78,7 +78,7 @@ def test_launch_stats(trace):
 def test_summary_counts_overlap_once(trace):
     s = trace.summary()
     assert s.kernels == 6 and s.gpu_activities == 7 and s.launches == 5 and s.graph_launches == 1
-    assert s.kernels_per_launch == pytest.approx(7 / 5)
+    assert s.kernels_per_launch == pytest.approx(6 / 5) and s.activities_per_launch == pytest.approx(7 / 5)
     # busy = 2 + 4 + 3 + 1 + (110..122 union = 12)
     assert s.gpu_busy_us == pytest.approx(22.0)
     assert s.wall_us == pytest.approx(122.0 - 5.0)  # first launch call to last GPU activity end
@@ -115,7 +115,7 @@ def test_events_missing_fields_are_skipped_and_counted(tmp_path):
     events = kineto_events() + [{"ph": "X", "cat": "kernel", "name": "x", "ts": 1.0},
                                 {"ph": "X", "cat": "kernel", "name": "y", "ts": "soon", "dur": 1}]
     t = load_trace(write(tmp_path, {"traceEvents": events}))
-    assert t.skipped == {"missing dur": 1, "non-numeric ts or dur": 1} and len(t.kernels) == 6
+    assert t.skipped == {"missing dur": 1, "ts or dur not a finite number (or dur < 0)": 1} and len(t.kernels) == 6
 
 
 @pytest.mark.parametrize("content, needle", [
@@ -130,6 +130,65 @@ def test_bad_files_name_the_file_and_problem(tmp_path, content, needle):
     with pytest.raises(cg.TraceFormatError, match=needle) as info:
         load_trace(p)
     assert "bad.json" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [{"ts": "nan", "dur": 1}, {"ts": 1, "dur": "inf"}, {"ts": 1, "dur": -5},
+                                 {"ts": True, "dur": 1}])
+def test_non_finite_negative_or_boolean_times_are_skipped(tmp_path, bad):
+    """Regression: "nan"/"inf" strings, negative durations and booleans were read as numbers."""
+    t = load_trace(write(tmp_path, {"traceEvents": kineto_events() + [{"ph": "X", "cat": "kernel", "name": "x", **bad}]}))
+    assert len(t.kernels) == 6 and sum(t.skipped.values()) == 1
+    assert 0 <= t.summary().gpu_busy_fraction <= 1
+
+
+def test_missing_and_shared_correlation_ids_are_never_joined(tmp_path):
+    """Regression: id -1 (missing) and ids shared by two calls were merged, giving wrong launch stats."""
+    events = [ev("cuda_runtime", "cudaLaunchKernel", 0, 5), ev("kernel", "a", 10, 1),  # no correlation
+              ev("cuda_runtime", "cudaLaunchKernel", 100, 5), ev("kernel", "b", 110, 1),
+              ev("cuda_runtime", "cudaLaunchKernel", 200, 5, correlation=9), ev("kernel", "c", 210, 1, correlation=9),
+              ev("cuda_runtime", "cudaLaunchKernel", 300, 5, correlation=9), ev("kernel", "d", 310, 1, correlation=9)]
+    t = load_trace(write(tmp_path, {"traceEvents": events}))
+    assert t.links().empty and t.launch_stats().empty
+    assert t.skipped == {"runtime calls sharing a correlation id (not linked)": 2}
+
+
+def test_any_call_that_starts_gpu_work_is_a_launch(tmp_path):
+    """Regression: calls outside a fixed name list (cudaMemcpy2DAsync, cuMemcpyHtoDAsync_v2) were not launches."""
+    events = [ev("cuda_runtime", "cudaMemcpy2DAsync", 0, 5, correlation=1), ev("gpu_memcpy", "Memcpy2D", 10, 2, correlation=1),
+              ev("cuda_driver", "cuMemcpyHtoDAsync_v2", 20, 5, correlation=2), ev("gpu_memcpy", "HtoD", 30, 2, correlation=2)]
+    t = load_trace(write(tmp_path, {"traceEvents": events}))
+    assert t.summary().launches == 2 and len(t.launch_stats()) == 2
+
+
+def test_begin_end_events_are_counted_as_skipped(tmp_path):
+    events = [{"ph": "B", "cat": "kernel", "name": "k", "ts": 0}, {"ph": "E", "cat": "kernel", "name": "k", "ts": 5}]
+    with pytest.raises(cg.TraceFormatError, match="none of its 2 events could be read.*only complete 'X' events"):
+        load_trace(write(tmp_path, {"traceEvents": events}))
+    t = load_trace(write(tmp_path, {"traceEvents": kineto_events() + events}))
+    assert len(t.kernels) == 6 and t.skipped == {"phase 'B' (only complete 'X' events are read)": 1, "phase 'E' (only complete 'X' events are read)": 1}
+
+
+@pytest.mark.parametrize("doc, needle", [({"traceEvents": 5}, "traceEvents is number, not a list"),
+                                         ({"traceEvents": {"a": 1}}, "traceEvents is start_map, not a list"),
+                                         ({"traceEvents": None}, "traceEvents is null, not a list")])
+def test_non_list_trace_events_is_an_error(tmp_path, doc, needle):
+    """Regression: a non-list traceEvents loaded as an empty trace."""
+    with pytest.raises(cg.TraceFormatError, match=needle):
+        load_trace(write(tmp_path, doc))
+
+
+def test_directory_and_json_errors_are_one_clear_line(tmp_path):
+    with pytest.raises(cg.TraceFormatError, match="is a directory"):
+        load_trace(tmp_path)
+    p = tmp_path / "bin.json"
+    p.write_bytes(b"\x00\x01garbage\nmore")
+    with pytest.raises(cg.TraceFormatError) as info:
+        load_trace(p)
+    assert "\n" not in str(info.value) and "not valid JSON" in str(info.value)
+
+
+def test_empty_trace_verdict(tmp_path):
+    assert load_trace(write(tmp_path, {"traceEvents": []})).summary().verdict == "empty trace"
 
 
 def test_missing_file(tmp_path):
