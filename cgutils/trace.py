@@ -17,6 +17,7 @@ through ``cudaLaunchKernelExC`` or the driver's ``cuLaunchKernel(Ex)`` (Holistic
 from __future__ import annotations
 
 import gzip
+import math
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,7 +266,7 @@ def _num(v: Any, nonneg: bool = False) -> float:
     if isinstance(v, bool):
         raise ValueError(v)
     x = float(v)
-    if not np.isfinite(x) or (nonneg and x < 0):
+    if not math.isfinite(x) or (nonneg and x < 0):
         raise ValueError(v)
     return x
 
