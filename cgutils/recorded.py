@@ -315,7 +315,7 @@ def _jsonable_data(data: dict) -> dict:
     return {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in data.items()}
 
 
-def _run_live(shell, cell: str, events: list) -> None:
+def _run_live(shell, cell: str) -> None:
     """Run ``cell`` in the user namespace; display the value of a trailing expression, like IPython."""
     from IPython.display import display
 
@@ -392,7 +392,7 @@ def recorded_cell(line: str, cell: str) -> None:
     sys.stdout = _Tee(old_stdout, events)
     pub.publish = publish
     try:
-        _run_live(shell, cell, events)
+        _run_live(shell, cell)
     finally:
         sys.stdout = old_stdout
         del pub.publish  # drop the instance attribute: the class's method shows through again
