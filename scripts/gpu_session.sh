@@ -2,7 +2,8 @@
 # All GPU work of a session in one run (DESIGN.md, "Recording on the GPU"): GPU tests, then
 # `make record`, then pack results/, figures/ and the executed notebooks into $OUT.
 #
-# Usage on the lent GPU machine, from the repo root, with the wheels of .whl/ installed on PYTHONPATH:
+# Usage on the lent GPU machine, from the repo root, with the wheels of .whl/ (scripts/fetch_device_wheels.sh)
+# installed on PYTHONPATH:
 #   CGUTILS_GIT_COMMIT=<sha> bash scripts/gpu_session.sh [smoke|full] [NOTEBOOK ...]
 # `smoke` runs the GPU tests and a short benchmark only; `full` (default) records every notebook, or
 # only the notebooks named (file stems) after it.
