@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import env
-from .capture import GraphRunner
+from .capture import GraphRunner, capture_graph
 from .errors import NoCudaError
 from .overhead import gpu_activity
 from .timing import measure
@@ -48,38 +48,35 @@ class RawGraphs:
         key = tuple(a.shape for a in args)
         if key not in self.graphs:
             static = tuple(a.clone() for a in args)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():
-                for _ in range(self.warmup):
-                    self.fn(*static)
-            torch.cuda.current_stream().wait_stream(side)
             self.pool = self.pool or torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
-                out = self.fn(*static)
+            g, out = capture_graph(lambda: self.fn(*static), warmup=self.warmup, pool=self.pool)
             self.graphs[key] = (g, static, out)
         g, static, out = self.graphs[key]
-        for s, a in zip(static, args, strict=False):
+        for s, a in zip(static, args, strict=False):  # the whole per-call cost: copy in, replay
             s.copy_(a)
         g.replay()
         return out
 
 
-def _variant_step(variant: str, built: Built) -> Callable[..., Any] | str:
-    """The step implementation for a variant, or a string saying why it is skipped."""
-    if variant == "eager":
+def make_step(kind: str, built: Built, args: tuple = ()) -> Callable[..., Any] | str:
+    """The step implementation for a variant (speedup table) or method (graph-methods table), or a
+    string saying why it is skipped. ``raw_graph`` and ``manual_graph`` are the same hand-written graph."""
+    if kind == "eager":
         return built.step
-    if variant == "graph_runner":
-        return GraphRunner(built.step)
-    if variant == "raw_graph":
+    if kind in ("raw_graph", "manual_graph"):
         return RawGraphs(built.step)
-    if variant == "compile_ro":
+    if kind == "graph_runner":
+        return GraphRunner(built.step)
+    if kind == "make_graphed_callables":
+        built.model.requires_grad_(False)  # inference: no backward graph to capture
+        return torch.cuda.make_graphed_callables(built.step, args)
+    if kind == "compile_ro":
         if built.shapes_change:
             return "skipped: input shape changes every step (one recompilation per length)"
-        torch._dynamo.reset()
         return torch.compile(built.step, mode="reduce-overhead")
-    raise ValueError(variant)
+    if kind == "graph_runner_compiled":
+        return GraphRunner(torch.compile(built.step))
+    raise ValueError(kind)
 
 
 def _iters_for(ms_per_iter: float, budget_s: float) -> int:
@@ -102,7 +99,9 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, bar)
     for variant in variants:
         bar.set_postfix_str(f"{wl.name} {dtype} {variant}")
         row = {**common, "variant": variant}
-        step = _variant_step(variant, built)
+        if variant == "compile_ro":
+            torch._dynamo.reset()  # each compiled variant starts from a clean cache
+        step = make_step(variant, built)
         if isinstance(step, str):
             rows.append({**row, "status": step})
             bar.update()
@@ -356,23 +355,6 @@ METHOD_LABELS = {
 }
 
 
-def _method_step(method: str, built: Built, args: tuple) -> Callable[..., Any]:
-    if method == "eager":
-        return built.step
-    if method == "manual_graph":
-        return RawGraphs(built.step)
-    if method == "make_graphed_callables":
-        built.model.requires_grad_(False)  # inference: no backward graph to capture
-        return torch.cuda.make_graphed_callables(built.step, args)
-    if method == "compile_ro":
-        return torch.compile(built.step, mode="reduce-overhead")
-    if method == "graph_runner":
-        return GraphRunner(built.step)
-    if method == "graph_runner_compiled":
-        return GraphRunner(torch.compile(built.step))
-    raise ValueError(method)
-
-
 def _measure_method(wname: str, method: str, dtype: str, iters: int) -> dict:
     row = {"workload": wname, "dtype": dtype, "method": method, "gpu": torch.cuda.get_device_name(0)}
     # Forget earlier compilations (and free their CUDA graph pools) before the memory baseline, not
@@ -387,7 +369,7 @@ def _measure_method(wname: str, method: str, dtype: str, iters: int) -> dict:
     try:
         with torch.no_grad():
             t0 = time.perf_counter()
-            step = _method_step(method, built, args)
+            step = make_step(method, built, args)
             out = step(*args)
             torch.cuda.synchronize()
             setup_s = time.perf_counter() - t0

@@ -8,6 +8,7 @@ All GPU timings use CUDA events (``cgutils.timing.measure``); every function ret
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -182,17 +183,13 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     return len(acts), float(sum(e.time_range.elapsed_us() for e in acts))
 
 
+@functools.cache
 def _warm_profiler() -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    if not _profiler_warm:
-        with profile(activities=[ProfilerActivity.CUDA]):
-            torch.zeros(1, device="cuda").add_(1)
-            torch.cuda.synchronize()
-        _profiler_warm.append(True)
-
-
-_profiler_warm: list = []
+    with profile(activities=[ProfilerActivity.CUDA]):
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
 
 
 def launch_bound_table(progress: bool = True):

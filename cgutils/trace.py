@@ -16,6 +16,7 @@ through ``cudaLaunchKernelExC`` or the driver's ``cuLaunchKernel(Ex)`` (Holistic
 
 from __future__ import annotations
 
+import functools
 import gzip
 import math
 import zlib
@@ -76,6 +77,11 @@ class Trace:
 
     def device_activity(self) -> pd.DataFrame:
         """Kernels and memcpy/memset together: name, ts, dur, device, stream, correlation, kind."""
+        return self._device_activity
+
+    @functools.cached_property
+    def _device_activity(self) -> pd.DataFrame:
+        # built once: links, launch_stats and summary all start from it
         parts = [df for df in (self.kernels.assign(kind="kernel"), self.memory.drop(columns=["bytes"])) if len(df)]
         if not parts:
             return self.kernels.assign(kind=pd.Series(dtype=object))
