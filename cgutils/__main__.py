@@ -55,7 +55,7 @@ SUITES = {
     "speedup": ["speedup"],
     "overhead": ["overhead_chain", "overhead_size", "launch_bound"],
     "methods": ["graph_methods"],
-    "generation": ["generation"],
+    "generation": ["generation", "generation_steps", "generation_batch"],
 }
 
 
@@ -102,7 +102,8 @@ def _measure_suite(suite: str, args: argparse.Namespace) -> dict:
                 "launch_bound": overhead.launch_bound_table()}
     if suite == "methods":
         return {"graph_methods": bench.graph_methods_table()}
-    return {"generation": bench.generation_table()}
+    return {"generation": bench.generation_table(), "generation_steps": bench.decode_step_times(),
+            "generation_batch": bench.batch_sweep()}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

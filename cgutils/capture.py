@@ -134,9 +134,11 @@ def check_inputs(specs: list[ArgSpec], reference: list[ArgSpec] | None, *, stric
     """
     for s in specs:
         if s.is_tensor and s.device.type != "cuda":
+            where = ("" if torch.cuda.is_available() else
+                     " (no CUDA device is visible on this machine, so GraphRunner cannot run here at all)")
             raise InputError(
                 f"argument {s.name!r} is a tensor on {s.device}; CUDA graphs replay on the GPU and read "
-                f"inputs from GPU memory. Move it first: {s.name}.to('cuda')")
+                f"inputs from GPU memory. Move it first: {s.name}.to('cuda'){where}")
     if reference is None:
         return
     ref_names = [r.name for r in reference]

@@ -241,7 +241,9 @@ def timeline(traces: dict, window_name: str = "forward", title: str = ""):
         traces: ``{label: cgutils.trace.Trace}``.
         window_name: a CPU annotation; its last instance sets the time window (µs, from its start).
     """
-    fig, axes = plt.subplots(len(traces), 1, figsize=(9, 1.6 + 1.1 * len(traces)), squeeze=False)
+    # one shared time axis: a packed replay must look as short as it is next to eager
+    fig, axes = plt.subplots(len(traces), 1, figsize=(9, 1.6 + 1.1 * len(traces)), squeeze=False, sharex=True)
+    spans = []
     for ax, (label, tr) in zip(axes[:, 0], traces.items()):
         ranges = tr.annotations[(tr.annotations.name == window_name) & (tr.annotations.side == "cpu")]
         t0, t1 = (ranges.ts.iloc[-1], ranges.ts.iloc[-1] + ranges.dur.iloc[-1]) if len(ranges) else (
@@ -255,9 +257,9 @@ def timeline(traces: dict, window_name: str = "forward", title: str = ""):
         calls = acts.drop_duplicates("correlation")
         ax.broken_barh(list(zip(calls.call_ts - t0, calls.call_dur)), (len(streams) - 0.4, 0.8), color=COLORS["eager"])
         ax.set_yticks(range(len(streams) + 1), [f"stream {int(s)}" for s in streams] + ["CPU launch calls"], fontsize=7)
-        span = max((acts.ts + acts.dur).max() - t0, 1.0) if len(acts) else 1.0
-        ax.set_xlim(0, span * 1.02)
+        spans.append(max((acts.ts + acts.dur).max() - t0, 1.0) if len(acts) else 1.0)
         ax.set_title(f"{label}: {len(acts)} GPU activities from {calls.shape[0]} launch calls", fontsize=8)
+    axes[-1, 0].set_xlim(0, max(spans) * 1.02)
     axes[-1, 0].set_xlabel(f"µs from the start of the last '{window_name}' range")
     if title:
         fig.suptitle(title, fontsize=9)
