@@ -1,7 +1,7 @@
 """Command line: ``python -m cgutils {env, bench, record}``.
 
 * ``env``: device, mode and versions; the recordings available.
-* ``bench [speedup|overhead|methods|generation]``: a benchmark suite. Measured on a CUDA GPU; without
+* ``bench [speedup|overhead|methods|generation|memory|pitfalls]``: a benchmark suite. Measured on a CUDA GPU; without
   one, the recorded tables and their provenance (exit 0).
 * ``trace FILE``: launch statistics and a launch-bound verdict for a torch.profiler trace.
 * ``record``: on a CUDA GPU, execute every notebook live and record results into ``results/<gpu>/``;
@@ -56,6 +56,8 @@ SUITES = {
     "overhead": ["overhead_chain", "overhead_size", "launch_bound"],
     "methods": ["graph_methods"],
     "generation": ["generation", "generation_steps", "generation_batch"],
+    "memory": ["graph_memory", "validation_cost"],
+    "pitfalls": ["pitfalls"],
 }
 
 
@@ -77,6 +79,12 @@ def _print_suite(suite: str, frames: dict, source: str, prov: dict, markdown: bo
               f"{fit['replay_slope_us']:.2f} µs (least-squares slopes)")
         print(f"kernel size where GPU time equals one eager launch: "
               f"{crossover(frames['overhead_size'], fit['eager_slope_us']):.3g} elements (fp32)")
+    if suite == "methods":
+        from .bench import method_targets
+
+        print("\ntargets (same run): GraphRunner <= 10 µs over the manual graph; ratios to "
+              "torch.compile(reduce-overhead) <= 1")
+        print(method_targets(frames["graph_methods"]).to_string(index=False, float_format="%.3f"))
     print(f"Source: {source}")
 
 
@@ -102,6 +110,12 @@ def _measure_suite(suite: str, args: argparse.Namespace) -> dict:
                 "launch_bound": overhead.launch_bound_table()}
     if suite == "methods":
         return {"graph_methods": bench.graph_methods_table()}
+    if suite == "pitfalls":
+        from .pitfalls import catalogue_table
+
+        return {"pitfalls": catalogue_table()}
+    if suite == "memory":
+        return {"graph_memory": bench.memory_table(), "validation_cost": bench.validation_cost()}
     return {"generation": bench.generation_table(), "generation_steps": bench.decode_step_times(),
             "generation_batch": bench.batch_sweep()}
 

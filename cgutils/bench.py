@@ -75,7 +75,7 @@ def make_step(kind: str, built: Built, args: tuple = ()) -> Callable[..., Any] |
             return "skipped: input shape changes every step (one recompilation per length)"
         return torch.compile(built.step, mode="reduce-overhead")
     if kind == "graph_runner_compiled":
-        return GraphRunner(torch.compile(built.step))
+        return GraphRunner(built.step, compile=True)
     raise ValueError(kind)
 
 
@@ -221,10 +221,11 @@ def markdown_table(df, prov: dict) -> str:
 
 # --- generation (notebook 06) -------------------------------------------------------------------------
 
-DECODERS = ("hf_dynamic", "hf_static", "cgutils_eager", "cgutils_graph", "cgutils_compile")
+DECODERS = ("hf_dynamic", "hf_static", "cgutils_eager", "cgutils_graph", "cgutils_graph_fused", "cgutils_compile")
 DECODER_LABELS = {"hf_dynamic": "transformers generate (dynamic cache)",
                   "hf_static": 'transformers generate (cache_implementation="static")',
                   "cgutils_eager": "cgutils static cache, eager", "cgutils_graph": "cgutils static cache, graph",
+                  "cgutils_graph_fused": "cgutils static cache, graph of the Inductor-fused step",
                   "cgutils_compile": 'cgutils static cache, torch.compile("reduce-overhead")'}
 
 
@@ -267,8 +268,11 @@ def generation_table(dtype: str = "fp16", batch: int = 1, prompt_len: int = 32, 
         "hf_dynamic": lambda: hf_generate(model, prompt, new_tokens),
         "hf_static": lambda: hf_generate(model, prompt, new_tokens, cache_implementation="static"),
     }
-    for mode in ("eager", "graph", "compile"):
-        runs[f"cgutils_{mode}"] = (lambda dec: lambda: dec.generate(prompt, new_tokens))(GreedyDecoder(model, mode))
+    decs = {"cgutils_eager": GreedyDecoder(model, "eager"), "cgutils_graph": GreedyDecoder(model, "graph"),
+            "cgutils_graph_fused": GreedyDecoder(model, "graph", fuse=True),
+            "cgutils_compile": GreedyDecoder(model, "compile")}
+    for name, dec in decs.items():
+        runs[name] = (lambda d: lambda: d.generate(prompt, new_tokens))(dec)
     rows = []
     for name in tqdm(list(decoders), desc="generation", disable=not progress):
         row = {"decoder": name, "dtype": dtype, "batch": batch, "gpu": torch.cuda.get_device_name(0)}
@@ -351,7 +355,7 @@ METHOD_LABELS = {
     "make_graphed_callables": "torch.cuda.make_graphed_callables",
     "compile_ro": 'torch.compile(mode="reduce-overhead")',
     "graph_runner": "cgutils.GraphRunner",
-    "graph_runner_compiled": "cgutils.GraphRunner(torch.compile(fn))",
+    "graph_runner_compiled": "cgutils.GraphRunner(fn, compile=True)",
 }
 
 
@@ -413,3 +417,140 @@ def graph_methods_table(workloads: Iterable[str] = ("bert-base-seq128", "resnet5
         manual = df[df.method == "manual_graph"].set_index("workload").median_ms
         df["us_over_manual"] = [(m - manual.get(w, float("nan"))) * 1e3 for w, m in zip(df.workload, df.median_ms)]
     return df
+
+
+def method_targets(df) -> Any:
+    """The issue's targets for the graph-methods table, as ratios measured in the same run.
+
+    Returns:
+        DataFrame per workload: ``runner_us_over_raw`` (GraphRunner minus the manual graph, µs per call;
+        target <= 10), ``runner_vs_compile_ro`` and ``runner_compiled_vs_compile_ro`` (median latency
+        ratios against ``torch.compile(mode="reduce-overhead")``; target <= 1).
+    """
+    import pandas as pd
+
+    ok = df[df.status == "ok"].pivot_table(index="workload", columns="method", values="median_ms")
+    rows = []
+    for w, r in ok.iterrows():
+        rows.append({"workload": w,
+                     "runner_us_over_raw": (r.get("graph_runner") - r.get("manual_graph")) * 1e3,
+                     "runner_vs_compile_ro": r.get("graph_runner") / r.get("compile_ro"),
+                     "runner_compiled_vs_compile_ro": r.get("graph_runner_compiled") / r.get("compile_ro")})
+    return pd.DataFrame(rows)
+
+
+# --- memory per captured graph (notebook 03) -------------------------------------------------------------
+
+MEMORY_SEQS = (64, 128, 192, 256, 320, 384, 448, 512)
+MEMORY_BUCKETS = (128, 256, 512)
+
+
+def memory_table(seqs: Iterable[int] = MEMORY_SEQS, buckets: Iterable[int] = MEMORY_BUCKETS,
+                 dtype: str = "fp16", progress: bool = True):
+    """Memory of CUDA graphs for BERT-base at several sequence lengths, three ways (batch 1).
+
+    * ``own_pool``: one GraphRunner (hence one private memory pool) per length, as a naive
+      "one graph per shape" setup does; the source article warns this wastes memory.
+    * ``shared_pool``: one GraphRunner, one graph per length, all in one pool, captured longest first.
+    * ``buckets``: one GraphRunner with ``buckets={1: buckets}``: lengths padded up to the next bucket,
+      so ``len(buckets)`` graphs serve every length.
+
+    Memory is what the graphs added, in bytes: growth of ``torch.cuda.memory_reserved()`` from before
+    the first capture (after ``empty_cache``), plus the per-graph pool growth from GraphRunner stats.
+
+    Returns:
+        DataFrame with columns ``setup, shapes`` (lengths served so far), ``graphs`` (captured so far),
+        ``reserved_bytes`` (cumulative growth), ``pool_bytes`` (cumulative pool growth), ``capture_ms``
+        (that length's capture, 0 when no new graph), ``gpu``.
+
+    Raises:
+        NoCudaError: without a CUDA device.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    if not env.cuda_available():
+        raise NoCudaError("memory_table captures graphs on a CUDA GPU and none is visible")
+    seqs, buckets = sorted(seqs), tuple(sorted(buckets))
+    built = get_workload("bert-base-seq128").build(dtype, "cuda")
+    gpu = torch.cuda.get_device_name(0)
+
+    def inputs(n: int) -> tuple:
+        ids = torch.randint(0, built.model.config.vocab_size, (1, n), device="cuda")
+        return ids, torch.ones_like(ids)
+
+    rows = []
+    setups = {"own_pool": list(seqs), "shared_pool": sorted(seqs, reverse=True), "buckets": list(seqs)}
+    bar = tqdm(total=sum(len(v) for v in setups.values()), desc="graph memory", disable=not progress)
+    for setup, order in setups.items():
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        runners: list = []
+        if setup == "shared_pool":
+            runners.append(GraphRunner(built.model))
+        elif setup == "buckets":
+            runners.append(GraphRunner(built.model, buckets={1: buckets}))
+        pool = 0
+        for i, n in enumerate(order, 1):
+            if setup == "own_pool":
+                runners.append(GraphRunner(built.model))
+            runner = runners[-1]
+            ids, mask = inputs(n)
+            graphs_before = runner.stats.captures
+            runner(input_ids=ids, attention_mask=mask)
+            torch.cuda.synchronize()
+            st = runner.stats
+            new = st.graphs[-1] if st.captures > graphs_before else None
+            pool += new.pool_bytes if new else 0
+            rows.append({"setup": setup, "shapes": i, "seq": n,
+                         "graphs": sum(r.stats.captures for r in runners),
+                         "reserved_bytes": torch.cuda.memory_reserved() - before, "pool_bytes": pool,
+                         "capture_ms": new.capture_ms if new else 0.0, "gpu": gpu})
+            bar.update()
+        del runners
+    bar.close()
+    return pd.DataFrame(rows)
+
+
+def validation_cost(seqs: Iterable[int] = (128, 512), dtype: str = "fp16", repeats: int = 5, progress: bool = True):
+    """What validation at capture costs: GraphRunner capture time with and without it (BERT-base).
+
+    Each repeat builds a new GraphRunner and times its first call (warm-up, capture, and with
+    ``validate=True`` one extra replay, one output clone and the comparison); cuBLAS/cuDNN are warm
+    from an untimed call first.
+
+    Returns:
+        DataFrame with columns ``seq, validate, capture_ms`` (median over repeats), ``p10_ms``,
+        ``p90_ms``, ``gpu``.
+
+    Raises:
+        NoCudaError: without a CUDA device.
+    """
+    import numpy as np
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    if not env.cuda_available():
+        raise NoCudaError("validation_cost captures graphs on a CUDA GPU and none is visible")
+    built = get_workload("bert-base-seq128").build(dtype, "cuda")
+    rows = []
+    combos = [(n, v) for n in seqs for v in (False, True)]
+    for n, validate in tqdm(combos, desc="validation cost", disable=not progress):
+        ids = torch.randint(0, built.model.config.vocab_size, (1, n), device="cuda")
+        mask = torch.ones_like(ids)
+        GraphRunner(built.model, validate=validate)(input_ids=ids, attention_mask=mask)  # untimed: warm libraries
+        times = []
+        for _ in range(repeats):
+            runner = GraphRunner(built.model, validate=validate)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner(input_ids=ids, attention_mask=mask)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            del runner
+        rows.append({"seq": n, "validate": validate, "capture_ms": float(np.median(times)),
+                     "p10_ms": float(np.percentile(times, 10)), "p90_ms": float(np.percentile(times, 90)),
+                     "gpu": torch.cuda.get_device_name(0)})
+    return pd.DataFrame(rows)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .diagnose import explain
+from .diagnose import explain, find_sync_points
 from .errors import CaptureError, InputError, NoCudaError
 
 # --- nested outputs --------------------------------------------------------------------------------
@@ -106,16 +106,6 @@ class ArgSpec:
         if isinstance(leaf, torch.Tensor):
             return cls(name, True, leaf.dtype, leaf.dim(), leaf.device)
         return cls(name, False, value=leaf)
-
-
-def _bind_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """Name each argument leaf after the parameter it binds to, for error messages."""
-    target = fn.forward if isinstance(fn, nn.Module) else fn
-    try:
-        bound = inspect.signature(target).bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        bound = {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
-    return [leaf for name, value in bound.items() for leaf in tree_leaves(value, name)]
 
 
 def check_inputs(specs: list[ArgSpec], reference: list[ArgSpec] | None, *, strict: bool = True) -> None:
@@ -223,11 +213,13 @@ class RunnerStats:
         captures: graphs captured.
         replays: replays over all graphs.
         graphs: one :class:`GraphInfo` per captured graph, in capture order.
+        fallbacks: calls run eagerly because an input was larger than the largest bucket.
     """
 
     captures: int
     replays: int
     graphs: list[GraphInfo] = field(default_factory=list)
+    fallbacks: int = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -302,6 +294,72 @@ def _leaf_rel_error(a: torch.Tensor, e: torch.Tensor) -> float:
     return float((a64 - e64).abs().max() / scale)
 
 
+def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], inputs: list[tuple],
+                    *, rtol: float | None = None):
+    """Check a graphed function against eager on several inputs, the way a caller uses it.
+
+    Calls ``replay(*args)`` for every ``args`` in ``inputs`` **keeping every output** (as a caller that
+    stores results would), then ``eager(*args)`` for each, and compares. Holding the outputs first is
+    what exposes the two silent static-buffer bugs: outputs that a later replay overwrote, and a
+    replay that kept reading the captured input because the input was rebound instead of copied.
+
+    Args:
+        replay: the graphed callable under test (e.g. a function that copies into static inputs,
+            replays and returns the static output).
+        eager: the reference, same signature.
+        inputs: at least two argument tuples with different values (identical inputs hide both bugs).
+        rtol: tolerated relative error (default 1e-3, 1e-2 with fp16/bf16 outputs).
+
+    Returns:
+        ``pandas.DataFrame``, one row per input: ``input`` (index) and ``max_rel_error``.
+
+    Raises:
+        InputError: fewer than two inputs.
+        CaptureError: a replay output differs from eager; ``.cause`` is ``"overwritten_output"`` (every
+            held output equals the last one, which was right when returned), ``"stale_input"`` (every
+            output equals the first: replay ignores new inputs) or ``"baked_value"``; the message
+            names the first wrong input and the fix.
+    """
+    import pandas as pd
+
+    if len(inputs) < 2:
+        raise InputError("validate_replay needs at least two inputs with different values; with one, "
+                         "stale inputs and overwritten outputs cannot show")
+    held = [replay(*args) for args in inputs]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with torch.no_grad():
+        expected = [eager(*args) for args in inputs]
+    dtypes = {t.dtype for out in expected for _, t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+    tol = rtol if rtol is not None else _default_rtol(dtypes)
+    errors = [max_rel_error(h, e) for h, e in zip(held, expected, strict=True)]
+    table = pd.DataFrame({"input": range(len(inputs)), "max_rel_error": errors})
+    bad = [i for i, r in enumerate(errors) if not r <= tol]
+    if not bad:
+        return table
+    same_as_last = all(max_rel_error(h, held[-1]) == 0 for h in held)
+    same_as_first = all(max_rel_error(h, held[0]) == 0 for h in held)
+    if same_as_last and errors[-1] <= tol:
+        cause, why = "overwritten_output", (
+            "every output you kept equals the last one: the outputs are the graph's static output "
+            "tensors, which each replay overwrites in place. Clone them before the next replay "
+            "(out.clone()), or use GraphRunner with clone_outputs=True")
+    elif same_as_first:
+        cause, why = "stale_input", (
+            "every output equals the first one: replay ignores the new inputs. A graph reads its "
+            "inputs from the addresses captured; rebinding a Python name (static_x = new_x) never "
+            "reaches it. Copy into the static input instead: static_x.copy_(new_x)")
+    else:
+        cause, why = "baked_value", (
+            "the replay follows the inputs but computes something else than eager: a value was baked in "
+            "at capture (a Python number or module attribute, a 0-dim CPU tensor, a branch on CPU-side "
+            "state). Pass such values as CUDA tensors")
+    i = bad[0]
+    raise CaptureError(f"replay differs from eager on input {i} of {len(inputs)} (max relative error "
+                       f"{errors[i]:.3g} > rtol {tol:.3g}); {len(bad)} of {len(inputs)} inputs wrong. "
+                       f"Likely cause: {why}.", max_rel_error=errors[i], cause=cause)
+
+
 def pool_reserved_bytes(pool: Any) -> int:
     """Bytes the caching allocator has reserved (cudaMalloc'd segments) for one graph memory pool.
 
@@ -340,6 +398,35 @@ def _reset_rng_after_failed_capture() -> None:
                 gen.graphsafe_set_state(gen.clone_state())
             except RuntimeError:
                 pass
+
+
+def _capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> CaptureError:
+    """Build the CaptureError for a failed capture: the original error, its explanation, and the syncs
+    found by running ``fn`` once more eagerly (which is safe now that capture has ended)."""
+    why = explain(exc)
+    syncs, note = None, ""
+    try:
+        syncs = find_sync_points(fn)
+    except Exception as rerun:  # the eager rerun can fail for its own reasons; never hide the original
+        note = f"\n(Could not rerun it eagerly to look for syncs: {type(rerun).__name__}: {rerun})"
+    if syncs is not None and len(syncs):
+        where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}" for r in syncs.head(5).itertuples())
+        more = f"\n  ... and {len(syncs) - 5} more (see .sync_points)" if len(syncs) > 5 else ""
+        note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}"
+    elif syncs is not None:
+        note = "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
+    return CaptureError(
+        f"CUDA graph capture of {what} failed: {type(exc).__name__}: {_first_line(exc)}\n"
+        + (str(why) if why else "No known pattern matched the error text.") + note,
+        original=exc, explanation=str(why or ""), sync_points=syncs,
+        cause=why.key if why else ("sync" if syncs is not None and len(syncs) else ""))
+
+
+def _first_line(exc: BaseException) -> str:
+    # CUDA errors from PyTorch carry several lines of generic advice (CUDA_LAUNCH_BLOCKING...) that
+    # bury the point; the full text stays on .original.
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
@@ -382,12 +469,7 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
             static_out = fn()
     except Exception as exc:
         _reset_rng_after_failed_capture()
-        why = explain(exc)
-        raise CaptureError(
-            f"CUDA graph capture of {what} failed: {type(exc).__name__}: {exc}\n"
-            + (str(why) if why else "No known pattern matched; run the function eagerly under "
-               "torch.cuda.set_sync_debug_mode('error') to find syncs."),
-            original=exc, explanation=str(why or "")) from exc
+        raise _capture_failure(exc, fn, what) from exc
     torch.cuda.synchronize()
     return graph, static_out
 
@@ -400,15 +482,19 @@ class GraphRunner:
 
     Example::
 
-        runner = cgutils.GraphRunner(model.eval().cuda())
+        runner = cgutils.GraphRunner(model.eval().cuda(), buckets={1: (128, 256, 512)})
         out = runner(input_ids, attention_mask=mask)   # first call: warm-up, capture, validate
-        out = runner(other_ids, attention_mask=mask)   # same shapes: copy in, replay
+        out = runner(other_ids, attention_mask=mask)   # same bucket: copy in (padded), replay
 
     Args:
         fn: an ``nn.Module`` or a function of tensors (and fixed non-tensor values). Its tensor
             arguments may be nested in tuples, lists and dicts.
         warmup: eager calls on a side stream before each capture (>= 1).
-        validate: compare the first replay with eager and raise on mismatch.
+        validate: compare the first replay with eager and raise on mismatch (cost: one replay and one
+            output clone per capture; see ``python -m cgutils bench memory``).
+        validate_replays: also compare the first ``K`` replays of each graph (after capture, on the
+            caller's fresh inputs) with an eager call; catches Python values baked in at capture that
+            change later (module attributes, CPU scalars, Python branches). Each costs one eager call.
         rtol: tolerated relative error ``max|replay-eager| / max|eager|``; default 1e-3 for fp32,
             1e-2 when an fp16/bf16 tensor is involved.
         clone_outputs: return clones of the static outputs (safe). With ``False`` the runner returns
@@ -418,36 +504,62 @@ class GraphRunner:
             another graph.
         pool: a memory-pool handle (``torch.cuda.graph_pool_handle()``) to share with other runners;
             default: one new pool shared by this runner's graphs.
+        buckets: ``{dim: sizes}``: pad every tensor argument with more than ``dim`` dimensions along
+            ``dim`` up to the smallest size in ``sizes`` that holds it, so a few graphs serve every
+            length. Output tensors whose size along ``dim`` equals the bucket are sliced back to the
+            caller's length. A size above the largest bucket runs eagerly (counted in
+            ``stats.fallbacks``, with one warning). Padding must not change the real positions'
+            results: for attention pass an attention mask, padded with 0 (the default ``pad_value``).
+        pad_value: value written into padding: one number, or ``{argument name: number}`` (names as
+            in error messages, e.g. ``input_ids``, ``attention_mask``); default 0.
+        compile: run ``fn`` through ``torch.compile`` (Inductor, ``mode="default"``: fused kernels, no
+            graphs of its own) and capture that; ``True`` or a dict of ``torch.compile`` keyword
+            arguments. Compilation happens during the first warm-up.
 
-    Shapes and dtypes: each distinct combination of input shapes (and, with ``strict=False``,
-    dtypes) gets its own graph, captured on first sight.
+    Shapes and dtypes: each distinct combination of (padded) input shapes and, with ``strict=False``,
+    dtypes gets its own graph, captured on first sight; all graphs share one memory pool.
 
     Raises (from ``__call__``):
         InputError: CPU tensors, a changed argument structure, dtype, rank, device or non-tensor value.
         NoCudaError: no CUDA device is visible.
-        CaptureError: capture failed (with ``.original`` and ``.explanation``) or the replay did not
-            match eager above ``rtol`` (with ``.max_rel_error``).
+        CaptureError: capture failed (``.original``, ``.explanation``, and ``.sync_points``: the syncs
+            an eager rerun found, with file and line), or a replay did not match eager above ``rtol``
+            (``.max_rel_error``, ``.cause``).
     """
 
     def __init__(self, fn: Callable[..., Any], *, warmup: int = 3, validate: bool = True,
-                 rtol: float | None = None, clone_outputs: bool = True, strict: bool = True,
-                 pool: Any = None):
+                 validate_replays: int = 0, rtol: float | None = None, clone_outputs: bool = True,
+                 strict: bool = True, pool: Any = None, buckets: dict[int, Any] | None = None,
+                 pad_value: float | dict[str, float] = 0, compile: bool | dict = False):
         if not callable(fn):
             raise InputError(f"GraphRunner needs a callable (module or function), got {type(fn).__name__}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise InputError(f"warmup must be an int >= 1 (lazy initialisation must not be captured), got {warmup!r}")
+        if not isinstance(validate_replays, int) or isinstance(validate_replays, bool) or validate_replays < 0:
+            raise InputError(f"validate_replays must be an int >= 0 (replays to check against eager), "
+                             f"got {validate_replays!r}")
         if rtol is not None and not (isinstance(rtol, (int, float)) and rtol >= 0):
             raise InputError(f"rtol must be a number >= 0 (a relative error), got {rtol!r}")
+        self.buckets = _check_bucket_spec(buckets)
+        if not isinstance(pad_value, (int, float, dict)) or isinstance(pad_value, bool):
+            raise InputError(f"pad_value must be a number or a dict of argument name -> number, got {pad_value!r}")
+        if compile is not False and not isinstance(compile, (bool, dict)):
+            raise InputError(f"compile must be True, False or a dict of torch.compile arguments, got {compile!r}")
         self.fn = fn
+        self._call = torch.compile(fn, **(compile if isinstance(compile, dict) else {})) if compile else fn
         self.warmup = warmup
         self.validate = validate
+        self.validate_replays = validate_replays
         self.rtol = rtol
         self.clone_outputs = clone_outputs
         self.strict = strict
+        self.pad_value = pad_value
         self._pool = pool
         self._spec: list[ArgSpec] | None = None
+        self._names: dict[tuple, list[tuple[str, tuple[str, Any]]]] = {}
         self._graphs: dict[tuple, _Graph] = {}
         self._replays = 0
+        self._fallbacks = 0
         if isinstance(fn, nn.Module) and fn.training and any(
                 isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm))
                 for m in fn.modules()):
@@ -457,16 +569,42 @@ class GraphRunner:
 
     @property
     def stats(self) -> RunnerStats:
-        """Captures, replays and per-graph memory (a snapshot, see :class:`RunnerStats`)."""
+        """Captures, replays, eager fallbacks and per-graph memory (a snapshot, see :class:`RunnerStats`)."""
         infos = [dataclasses.replace(g.info) for g in self._graphs.values()]
-        return RunnerStats(captures=len(infos), replays=self._replays, graphs=infos)
+        return RunnerStats(captures=len(infos), replays=self._replays, graphs=infos, fallbacks=self._fallbacks)
 
     def __repr__(self) -> str:
         name = type(self.fn).__name__ if isinstance(self.fn, nn.Module) else getattr(self.fn, "__name__", "fn")
         return f"GraphRunner({name}, graphs={len(self._graphs)}, replays={self._replays})"
 
+    def _leaves(self, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+        # Binding argument names with inspect costs tens of µs; the names depend only on the call
+        # pattern (how many positional arguments, which keywords), so they are bound once per pattern.
+        pattern = (len(args), tuple(kwargs))
+        names = self._names.get(pattern)
+        if names is None:
+            names = self._names[pattern] = _param_names(self.fn, len(args), tuple(kwargs))
+        return [leaf for name, (kind, k) in names
+                for leaf in tree_leaves(args[k] if kind == "a" else kwargs[k], name)]
+
+    def _target_shape(self, t: torch.Tensor) -> tuple[int, ...] | None:
+        """The bucketed shape of ``t``, or None when a dimension is above its largest bucket."""
+        shape = list(t.shape)
+        for dim, sizes in self.buckets.items():
+            if t.dim() > dim:
+                size = next((b for b in sizes if shape[dim] <= b), None)
+                if size is None:
+                    return None
+                shape[dim] = size
+        return tuple(shape)
+
+    def _pad_of(self, name: str) -> float:
+        if isinstance(self.pad_value, dict):
+            return self.pad_value.get(name.split("[")[0], 0)
+        return self.pad_value
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves = _bind_names(self.fn, args, kwargs)
+        leaves = self._leaves(args, kwargs)
         specs = [ArgSpec.of(n, leaf) for n, leaf in leaves]
         check_inputs(specs, self._spec, strict=self.strict)
         if not torch.cuda.is_available():
@@ -474,27 +612,120 @@ class GraphRunner:
                               "(torch.cuda.is_available() is False); call the model eagerly instead")
         if self._spec is None:
             self._spec = specs
-        tensors = [leaf for _, leaf in leaves if isinstance(leaf, torch.Tensor)]
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        named = [(n, leaf) for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
+        targets = [self._target_shape(t) for _, t in named] if self.buckets else [tuple(t.shape) for _, t in named]
+        if any(tg is None for tg in targets):
+            return self._fallback(args, kwargs, named)
+        key = tuple((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True))
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(args, kwargs, leaves, tensors)
+            entry = self._capture(args, kwargs, leaves, named, targets)
             self._graphs[key] = entry
         else:
-            for buf, t in zip(entry.static_inputs, tensors, strict=False):
-                buf.copy_(t)
+            for buf, (name, t) in zip(entry.static_inputs, named, strict=True):
+                _copy_padded(buf, t, self._pad_of(name))
         entry.graph.replay()
         entry.info.replays += 1
         self._replays += 1
+        out = self._sliced(entry.static_output, named, targets)
+        if entry.info.replays <= self.validate_replays + 1 and entry.info.replays > 1:
+            self._check_replay(out, args, kwargs)
         if self.clone_outputs:
-            return tree_map(torch.clone, entry.static_output)
-        return entry.static_output
+            return tree_map(torch.clone, out)
+        return out
+
+    def _sliced(self, out: Any, named: list, targets: list) -> Any:
+        """Cut the padding off the outputs: along each bucketed dim, a leaf whose size equals the bucket
+        is narrowed to the caller's size."""
+        cuts = {dim: (tg[dim], t.shape[dim]) for (_, t), tg in zip(named, targets, strict=True)
+                for dim in self.buckets if t.dim() > dim and tg[dim] != t.shape[dim]}
+        if not cuts:
+            return out
+
+        def cut(x: torch.Tensor) -> torch.Tensor:
+            for dim, (padded, real) in cuts.items():
+                if x.dim() > dim and x.shape[dim] == padded:
+                    x = x.narrow(dim, 0, real)
+            return x
+
+        return tree_map(cut, out)
+
+    def _fallback(self, args: tuple, kwargs: dict, named: list) -> Any:
+        self._fallbacks += 1
+        if self._fallbacks == 1:
+            sizes = {n: tuple(t.shape) for n, t in named}
+            warnings.warn(f"{self!r}: input shapes {sizes} exceed the largest bucket {self.buckets}; running "
+                          f"eagerly (no graph). Add a larger bucket if this size is common; "
+                          f"stats.fallbacks counts these calls.", stacklevel=3)
+        with torch.no_grad():
+            return self._call(*args, **kwargs)
+
+    def _check_replay(self, out: Any, args: tuple, kwargs: dict) -> None:
+        with torch.no_grad():
+            expected = self._call(*args, **kwargs)
+        rel = max_rel_error(out, expected)
+        rtol = self._rtol_for(out)
+        if not rel <= rtol:
+            raise CaptureError(
+                f"replay {self._replays} of {self!r} differs from eager on the same inputs: max relative "
+                f"error {rel:.3g} > rtol {rtol:.3g}, although replay matched eager at capture. Likely "
+                f"cause: a Python value was baked into the graph at capture and has changed since (a "
+                f"module attribute or Python number read in forward, a 0-dim CPU tensor used as a "
+                f"scalar, a Python branch on CPU-side state). Pass such values as CUDA tensors, or "
+                f"capture a new GraphRunner after changing them.", max_rel_error=rel, cause="baked_value")
+
+    def _rtol_for(self, out: Any, extra: set | None = None) -> float:
+        if self.rtol is not None:
+            return self.rtol
+        dtypes = {t.dtype for _, t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        return _default_rtol(dtypes | (extra or set()))
+
+    def capture_buckets(self, *args: Any, **kwargs: Any) -> RunnerStats:
+        """Capture a graph for every bucket now, largest first, from one example call.
+
+        Largest first, so that the shared memory pool grows once, to the largest graph's needs, and
+        the smaller graphs reuse its blocks. The example is padded (or cut) to each bucket size, so its
+        values only serve warm-up and validation.
+
+        Returns:
+            :attr:`stats` after the captures.
+
+        Raises:
+            InputError: no ``buckets`` were given; as for ``__call__``.
+            CaptureError: as for ``__call__``.
+        """
+        if not self.buckets:
+            raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
+        import itertools
+
+        dims = sorted(self.buckets)
+        combos = sorted(itertools.product(*(self.buckets[d] for d in dims)), reverse=True)
+        for combo in combos:
+            sizes = dict(zip(dims, combo, strict=True))
+
+            def resize(t: torch.Tensor, sizes=sizes) -> torch.Tensor:
+                for d, n in sizes.items():
+                    if t.dim() > d and t.shape[d] != n:
+                        if t.shape[d] > n:
+                            t = t.narrow(d, 0, n)
+                        else:
+                            shape = list(t.shape)
+                            shape[d] = n - t.shape[d]
+                            t = torch.cat([t, t.new_zeros(shape)], dim=d)
+                return t
+
+            self(*tree_map(resize, args), **tree_map(resize, kwargs))
+        return self.stats
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list[tuple[str, Any]],
-                 tensors: list[torch.Tensor]) -> _Graph:
+                 named: list[tuple[str, torch.Tensor]], targets: list[tuple[int, ...]]) -> _Graph:
         t_start = time.perf_counter()
-        static_inputs = [t.detach().clone() for t in tensors]
-        swap = {id(t): s for t, s in zip(tensors, static_inputs, strict=False)}
+        static_inputs = []
+        for (name, t), tg in zip(named, targets, strict=True):
+            buf = torch.empty(tg, dtype=t.dtype, device=t.device)
+            _copy_padded(buf, t.detach(), self._pad_of(name))
+            static_inputs.append(buf)
+        swap = {id(t): s for (_, t), s in zip(named, static_inputs, strict=True)}
         s_args = tree_map(lambda t: swap.get(id(t), t), args)
         s_kwargs = tree_map(lambda t: swap.get(id(t), t), kwargs)
         if self._pool is None:
@@ -507,7 +738,7 @@ class GraphRunner:
                 kept["expected"] = tree_map(torch.clone, out)
 
         pool_before = pool_reserved_bytes(self._pool)
-        graph, static_out = capture_graph(lambda: self.fn(*s_args, **s_kwargs), warmup=self.warmup,
+        graph, static_out = capture_graph(lambda: self._call(*s_args, **s_kwargs), warmup=self.warmup,
                                           pool=self._pool, on_last_warmup=keep_reference, what=repr(self))
         expected = kept.get("expected")
         pool_bytes = max(0, pool_reserved_bytes(self._pool) - pool_before)
@@ -517,20 +748,21 @@ class GraphRunner:
             graph.replay()
             torch.cuda.synchronize()
             rel = max_rel_error(static_out, expected)
-            dtypes = {t.dtype for _, t in tree_leaves(static_out) if isinstance(t, torch.Tensor)}
-            rtol = self.rtol if self.rtol is not None else _default_rtol(dtypes | {t.dtype for t in tensors})
+            rtol = self._rtol_for(static_out, {t.dtype for _, t in named})
             if not rel <= rtol:
                 raise CaptureError(
                     f"replay of the captured graph differs from eager: max relative error {rel:.3g} > "
-                    f"rtol {rtol:.3g}. Likely cause: a value was baked in at capture (a Python `if` on "
-                    f"a tensor value, .item(), randomness such as dropout in training mode). Call "
-                    f"model.eval(), keep control flow on the GPU (torch.where), or raise rtol if the "
-                    f"difference is numerical noise.", max_rel_error=rel)
+                    f"rtol {rtol:.3g}. Likely cause: data-dependent work that the graph froze at capture "
+                    f"(randomness such as dropout in training mode, a value read on the CPU during "
+                    f"capture). Call model.eval(), keep control flow on the GPU (torch.where), or raise "
+                    f"rtol if the difference is numerical noise.", max_rel_error=rel, cause="baked_value")
+            if any(tuple(t.shape) != tg for (_, t), tg in zip(named, targets, strict=True)):
+                self._check_padding(static_out, args, kwargs, named, targets, rtol)
 
         out_bytes = sum(t.numel() * t.element_size() for _, t in tree_leaves(static_out)
                         if isinstance(t, torch.Tensor))
-        signature = ", ".join(f"{n}:{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
-                              for n, t in leaves if isinstance(t, torch.Tensor))
+        signature = ", ".join(f"{n}:{tg} {str(t.dtype).replace('torch.', '')}"
+                              for (n, t), tg in zip(named, targets, strict=True))
         info = GraphInfo(signature=signature, capture_ms=(time.perf_counter() - t_start) * 1e3,
                          pool_bytes=pool_bytes,
                          static_input_bytes=sum(t.numel() * t.element_size() for t in static_inputs),
@@ -538,3 +770,75 @@ class GraphRunner:
         # The validation replay consumed the static inputs already holding this call's data, so
         # __call__'s replay below just recomputes the same answer: cheap, and keeps one code path.
         return _Graph(graph, static_inputs, static_out, info)
+
+    def _check_padding(self, static_out: Any, args: tuple, kwargs: dict, named: list, targets: list,
+                       rtol: float) -> None:
+        with torch.no_grad():
+            expected = self._call(*args, **kwargs)
+        rel = max_rel_error(self._sliced(static_out, named, targets), expected)
+        if not rel <= rtol:
+            raise CaptureError(
+                f"padding to the bucket changed the result on the real positions: max relative error "
+                f"{rel:.3g} > rtol {rtol:.3g} against an eager call at the caller's shapes. The model "
+                f"reads the padded positions (for attention: pass an attention mask, padded with 0, "
+                f"e.g. pad_value={{'attention_mask': 0}}), or its output is not cut at the bucketed dim; "
+                f"use buckets only for dims that padding leaves alone.", max_rel_error=rel, cause="padding")
+
+
+def _copy_padded(buf: torch.Tensor, t: torch.Tensor, pad: float) -> None:
+    """Copy ``t`` into the leading corner of ``buf`` and fill the rest with ``pad``."""
+    if buf.shape == t.shape:
+        buf.copy_(t)
+        return
+    buf.fill_(pad)
+    buf[tuple(slice(0, n) for n in t.shape)].copy_(t)
+
+
+def _check_bucket_spec(buckets: Any) -> dict[int, tuple[int, ...]]:
+    if buckets is None:
+        return {}
+    if not isinstance(buckets, dict):
+        raise InputError(f"buckets must be a dict {{dim: sizes}}, e.g. {{1: (128, 256, 512)}}, got {buckets!r}")
+    out = {}
+    for dim, sizes in buckets.items():
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+            raise InputError(f"buckets keys are tensor dims (ints >= 0), got {dim!r}")
+        try:
+            vals = tuple(sizes)
+        except TypeError:
+            vals = ()
+        if not vals or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in vals):
+            raise InputError(f"buckets[{dim}] must be a non-empty sequence of positive ints, got {sizes!r}")
+        out[dim] = tuple(sorted(set(vals)))
+    return out
+
+
+class _Marker(tuple):
+    """("a", index) or ("k", name): where an argument leaf comes from; a tuple subclass so that
+    *args binding (a tuple of markers) can be told apart from one marker."""
+
+
+def _param_names(fn: Callable[..., Any], n_args: int, kw_names: tuple) -> list[tuple[str, tuple]]:
+    """Parameter name and source of every argument for one call pattern, for error messages."""
+    target = fn.forward if isinstance(fn, nn.Module) else fn
+    fallback = [(f"args[{i}]", ("a", i)) for i in range(n_args)] + [(k, ("k", k)) for k in kw_names]
+    try:
+        bound = inspect.signature(target).bind(*(_Marker(("a", i)) for i in range(n_args)),
+                                               **{k: _Marker(("k", k)) for k in kw_names}).arguments
+    except (TypeError, ValueError):
+        return fallback
+    out: list[tuple[str, tuple]] = []
+    for name, v in bound.items():
+        if isinstance(v, _Marker):
+            out.append((name, tuple(v)))
+        elif isinstance(v, tuple):  # *args
+            out += [(f"{name}[{j}]", tuple(m)) for j, m in enumerate(v)]
+        elif isinstance(v, dict):  # **kwargs
+            out += [(k, tuple(m)) for k, m in v.items()]
+    return out
+
+
+def _bind_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """Name each argument leaf after the parameter it binds to, for error messages."""
+    return [leaf for name, (kind, k) in _param_names(fn, len(args), tuple(kwargs))
+            for leaf in tree_leaves(args[k] if kind == "a" else kwargs[k], name)]

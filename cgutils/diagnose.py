@@ -8,8 +8,19 @@ API reference, "Graph Management" and "Stream Management" (``cudaStreamBeginCapt
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import sysconfig
+import traceback
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import NoCudaError
 
 
 @dataclass(frozen=True)
@@ -17,11 +28,14 @@ class Explanation:
     """Cause and fix for a recognised capture failure.
 
     Attributes:
+        key: short name of the cause: ``sync``, ``invalidated``, ``default_stream``, ``rng``,
+            ``unjoined``, ``host_copy``, ``allocation``.
         cause: what most likely happened, in words.
         fix: what to change.
         pattern: the regular expression that matched the error text.
     """
 
+    key: str
     cause: str
     fix: str
     pattern: str
@@ -32,32 +46,41 @@ class Explanation:
 
 _SYNC_FIX = ("move the sync out of the captured function: keep values on the GPU (torch.where, "
              "masking instead of boolean indexing, fixed-size outputs), or run that part eagerly "
-             "outside the graph. To find the syncs in your code, run it once eagerly under "
-             "torch.cuda.set_sync_debug_mode('error'): each sync then raises at its own line.")
+             "outside the graph. cgutils.diagnose.find_sync_points(fn, *args) lists each sync with "
+             "your file and line.")
 
-_RULES: list[tuple[str, str, str]] = [
-    (r"operation not permitted when stream is capturing|cudaErrorStreamCaptureUnsupported",
-     "the captured code made a call that is illegal during capture, most often a CPU-GPU "
-     "synchronisation: .item(), .cpu(), .tolist(), print() of a CUDA tensor, torch.nonzero, "
-     "boolean-mask indexing, or torch.cuda.synchronize()", _SYNC_FIX),
-    (r"capture.*invalidated|cudaErrorStreamCaptureInvalidated",
-     "an earlier illegal call (usually a sync) invalidated the capture; the error you see is "
-     "a consequence, not the first failure", _SYNC_FIX),
-    (r"cudaErrorStreamCaptureImplicit|legacy stream|default stream",
-     "work was issued on the legacy default stream while another stream was capturing",
-     "capture on a side stream (torch.cuda.graph does this) and do not use the default stream or "
-     "cudaDeviceSynchronize-style calls inside the captured region"),
-    (r"[Gg]enerator|philox|seed",
+# (key, pattern, cause, fix); the first match wins, so specific texts come before general ones.
+_RULES: list[tuple[str, str, str, str]] = [
+    ("default_stream", r"non-default stream|cudaErrorStreamCaptureImplicit|legacy stream",
+     "capture was started on the default (legacy) stream, or work was issued on it while another "
+     "stream was capturing; the legacy stream synchronises with every other stream, which a graph "
+     "cannot record",
+     "capture on a side stream: use torch.cuda.graph(g) (it switches to one) or "
+     "`with torch.cuda.stream(torch.cuda.Stream()):` around capture_begin/capture_end"),
+    ("rng", r"[Gg]enerator|philox|seed|[Oo]ffset increment",
      "a random-number generator was used in a way the graph cannot replay (a CPU generator, or a "
-     "generator not registered with the graph)",
+     "CUDA generator that was not registered with the graph)",
      "call model.eval() so dropout is off; for intentional randomness use the default CUDA "
-     "generator, which torch.cuda.graph registers, not a custom or CPU torch.Generator"),
-    (r"cudaErrorStreamCaptureUnjoined|unjoined",
+     "generator, which torch.cuda.graph registers, or register yours with "
+     "graph.register_generator_state(gen)"),
+    ("unjoined", r"cudaErrorStreamCaptureUnjoined|unjoined",
      "work forked onto another stream during capture was not joined back",
      "make the capture stream wait on every side stream (stream.wait_stream) before capture ends"),
-    (r"pin_memory|pinned|non_blocking|cudaHostAlloc|cudaMemcpy.*Host|to\(.*cpu",
+    ("sync", r"operation not permitted when stream is capturing|cudaErrorStreamCaptureUnsupported"
+             r"|cannot be called during (CUDA graph )?capture|synchroniz\w* .*captur",
+     "the captured code made a call that is illegal during capture, most often a CPU-GPU "
+     "synchronisation: .item(), .cpu(), .tolist(), print() of a CUDA tensor, torch.nonzero, "
+     "boolean-mask indexing, a Python `if` on a CUDA tensor, or torch.cuda.synchronize()", _SYNC_FIX),
+    ("invalidated", r"capture.*invalidated|cudaErrorStreamCaptureInvalidated|previous error during capture",
+     "an earlier illegal call (usually a sync) invalidated the capture; the error you see is "
+     "a consequence, not the first failure", _SYNC_FIX),
+    ("host_copy", r"pin_memory|pinned|cudaHostAlloc|cudaMemcpy.*Host",
      "a host-device copy happened inside the captured region",
      "copy inputs into static buffers before replay, and read outputs after it"),
+    ("allocation", r"out of memory|cudaErrorMemoryAllocation",
+     "the GPU ran out of memory during warm-up or capture (each graph keeps its memory pool alive)",
+     "share one memory pool between graphs (GraphRunner does), capture fewer shapes (buckets), "
+     "or free other graphs first"),
 ]
 
 
@@ -77,7 +100,172 @@ def explain(exc: BaseException | str) -> Explanation | None:
         if exc is not None:
             text += "\n" + str(exc)
         seen += 1
-    for pattern, cause, fix in _RULES:
+    for key, pattern, cause, fix in _RULES:
         if re.search(pattern, text, flags=re.IGNORECASE):
-            return Explanation(cause, fix, pattern)
+            return Explanation(key, cause, fix, pattern)
     return None
+
+
+# --- sync points -----------------------------------------------------------------------------------
+
+_SYNC_WARNING = "synchronizing CUDA operation"  # text of PyTorch's sync debug-mode warning
+_SKIP_DIRS = tuple(str(p) for p in {Path(torch.__file__).resolve().parent,
+                                      Path(sysconfig.get_paths()["stdlib"]).resolve()})
+_PACKAGE = Path(__file__).resolve().parent
+# cgutils' own frames are machinery around the user's function, except the pitfall reproducers,
+# which stand in for user code.
+_USER_MODULES = {"pitfalls.py"}
+
+SYNC_COLUMNS = ["op", "file", "line", "code", "function"]
+
+
+@dataclass(frozen=True)
+class SyncPoint:
+    """One CPU-GPU synchronisation hit while running user code eagerly.
+
+    Attributes:
+        op: the PyTorch call that synchronised, e.g. ``Tensor.item``, ``Tensor.__bool__`` (a Python
+            ``if`` on a tensor), ``torch.nonzero``, ``Tensor.__getitem__`` (boolean-mask indexing),
+            ``torch.cuda.synchronize``.
+        file, line: the innermost frame outside torch, cgutils and the standard library: the user's
+            line that made the call.
+        code: the source text of that line (empty when unavailable).
+        function: the function that line is in.
+    """
+
+    op: str
+    file: str
+    line: int
+    code: str
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.op} at {Path(self.file).name}:{self.line} ({self.code or self.function})"
+
+
+def _user_frame(stack: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    for fr in reversed(stack):
+        name = str(Path(fr.filename).resolve()) if not fr.filename.startswith("<") else fr.filename
+        if fr.filename.startswith("<frozen") or name.startswith(_SKIP_DIRS):
+            continue
+        if Path(name).parent == _PACKAGE and Path(name).name not in _USER_MODULES:
+            continue
+        return fr
+    return None
+
+
+class _OpTracker(torch.overrides.TorchFunctionMode):
+    """Remembers the outermost torch function being called, to name the op that synchronised."""
+
+    def __init__(self):
+        super().__init__()
+        self.current: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        outer = self.current
+        if outer is None:
+            self.current = _op_name(func)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.current = outer
+
+
+def _op_name(func: Any) -> str:
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    head, _, tail = qual.rpartition(".")
+    if head in ("_TensorBase", "TensorBase", "Tensor"):
+        return f"Tensor.{tail}"
+    if head in ("", "_VariableFunctionsClass", "_VariableFunctions"):
+        return f"torch.{tail}"
+    return qual
+
+
+class SyncRecorder:
+    """Context manager that records every CPU-GPU sync made inside it (see :func:`find_sync_points`).
+
+    Works by turning on ``torch.cuda.set_sync_debug_mode("warn")`` (PyTorch docs,
+    "torch.cuda.set_sync_debug_mode"), catching its warnings with the Python stack at the moment they
+    are raised, and wrapping ``torch.cuda.synchronize``, which the debug mode does not report.
+    ``points`` holds one :class:`SyncPoint` per sync, in order.
+    """
+
+    def __init__(self):
+        self.points: list[SyncPoint] = []
+        self._tracker = _OpTracker()
+
+    def _record(self, op: str | None) -> None:
+        fr = _user_frame(traceback.extract_stack()[:-2])
+        if fr is None:
+            return
+        self.points.append(SyncPoint(op or "unknown op", fr.filename, fr.lineno or 0,
+                                     (fr.line or "").strip(), fr.name))
+
+    def __enter__(self) -> SyncRecorder:
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if _SYNC_WARNING in str(message):
+                self._record(self._tracker.current)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        self._orig_sync = torch.cuda.synchronize
+
+        def synchronize(device=None):
+            self._record("torch.cuda.synchronize")
+            return self._orig_sync(device)
+
+        torch.cuda.synchronize = synchronize
+        if torch.cuda.is_available():
+            self._old_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tracker.__exit__(*exc)
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(self._old_mode)
+        torch.cuda.synchronize = self._orig_sync
+        self._warnings.__exit__(*exc)
+
+    def to_frame(self):
+        """The sync points as a ``pandas.DataFrame`` with columns ``SYNC_COLUMNS``."""
+        import pandas as pd
+
+        return pd.DataFrame([dataclasses.asdict(p) for p in self.points], columns=SYNC_COLUMNS)
+
+
+def find_sync_points(fn: Callable[..., Any], *args: Any, **kwargs: Any):
+    """Run ``fn(*args, **kwargs)`` once eagerly (under ``torch.no_grad()``) and list every CPU-GPU
+    synchronisation it makes: each one is a call that cannot be captured into a CUDA graph.
+
+    Found: ``.item()``, ``.cpu()``, ``.tolist()``, ``print``/``str`` of a CUDA tensor, ``torch.nonzero``,
+    boolean-mask indexing, a Python ``if``/``while`` on a CUDA tensor value, ``torch.cuda.synchronize``
+    (called as ``torch.cuda.synchronize``; an alias imported before the call is not seen), and any other
+    op that PyTorch's sync debug mode reports.
+
+    Args:
+        fn: the function or module to run; its tensors must be on the GPU for syncs to exist.
+        args, kwargs: its arguments.
+
+    Returns:
+        ``pandas.DataFrame`` with columns ``op`` (e.g. ``Tensor.item``), ``file``, ``line`` (the user's
+        line, not a torch frame), ``code`` (that line's text) and ``function``; one row per sync, in
+        order; empty when the function never syncs.
+
+    Raises:
+        NoCudaError: no CUDA device is visible (without one nothing ever synchronises).
+        Any exception ``fn`` itself raises.
+    """
+    if not torch.cuda.is_available():
+        raise NoCudaError("find_sync_points needs a CUDA device: on the CPU no call synchronises with a GPU")
+    with SyncRecorder() as rec, torch.no_grad():
+        fn(*args, **kwargs)
+    torch.cuda.synchronize()
+    return rec.to_frame()

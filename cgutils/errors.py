@@ -22,18 +22,29 @@ class CaptureError(CgutilsError, RuntimeError):
         original: the exception raised during capture, if any.
         explanation: cause and fix in words.
         max_rel_error: for a validation failure, the largest relative error found (else ``None``).
+        sync_points: for a failed capture, the CPU-GPU syncs found by running the function eagerly
+            (a ``pandas.DataFrame`` from :func:`cgutils.diagnose.find_sync_points`), else ``None``.
+        cause: a short key for the diagnosed cause, e.g. ``"sync"``, ``"stale_input"``,
+            ``"overwritten_output"``, ``"baked_value"`` (empty when unknown).
     """
 
     def __init__(self, message: str, *, original: BaseException | None = None,
-                 explanation: str = "", max_rel_error: float | None = None):
+                 explanation: str = "", max_rel_error: float | None = None,
+                 sync_points=None, cause: str = ""):
         super().__init__(message)
         self.original = original
         self.explanation = explanation
         self.max_rel_error = max_rel_error
+        self.sync_points = sync_points
+        self.cause = cause
 
 
 class RecordingError(CgutilsError):
     """A recording in ``results/`` is missing or unreadable."""
+
+
+class RecordedCellError(CgutilsError):
+    """Recorded mode: a ``%%recorded --raises`` cell failed on the GPU; the message is the recorded error."""
 
 
 class StaleRecordingError(RecordingError):

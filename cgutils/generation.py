@@ -147,6 +147,10 @@ class GreedyDecoder:
             by kernel), or ``"compile"`` (the step through ``torch.compile(mode="reduce-overhead")``).
         batch_buckets: batch sizes a request is padded up to (rows repeated, outputs sliced back).
         length_buckets: cache lengths; a request uses the smallest that holds prompt + new tokens.
+        fuse: graph mode: run the step through ``torch.compile`` (Inductor, ``mode="default"``) before
+            capturing it, so that fused kernels (LayerNorm with the residual add, bias with GELU, ...)
+            replace PyTorch's one-kernel-per-op step; the graph is still ours, captured as in
+            plain graph mode. Compilation costs seconds on the first request of each bucket.
         steps_per_graph: graph mode: decode steps captured back to back in one graph (a second,
             one-step graph does the remainder). Each step reads and advances the position on the GPU,
             so a graph of 16 steps is 16 correct steps; it saves the CPU launch and the GPU's
@@ -158,7 +162,7 @@ class GreedyDecoder:
     """
 
     def __init__(self, model: nn.Module, mode: str = "graph", *, batch_buckets=BATCH_BUCKETS,
-                 length_buckets=LENGTH_BUCKETS, steps_per_graph: int = 16):
+                 length_buckets=LENGTH_BUCKETS, steps_per_graph: int = 16, fuse: bool = False):
         if mode not in MODES:
             raise InputError(f"mode must be one of {MODES}, got {mode!r}")
         if not (hasattr(model, "transformer") and hasattr(model, "lm_head") and hasattr(model.config, "n_positions")):
@@ -166,6 +170,9 @@ class GreedyDecoder:
         if steps_per_graph < 1:
             raise InputError(f"steps_per_graph must be >= 1, got {steps_per_graph}")
         self.steps_per_graph = steps_per_graph
+        if fuse and mode != "graph":
+            raise InputError(f"fuse=True applies to mode='graph' (got mode={mode!r}); mode='compile' fuses already")
+        self.fuse = fuse
         device = next(model.parameters()).device
         if mode != "eager" and device.type != "cuda":
             raise InputError(f"mode={mode!r} needs the model on a CUDA device (it is on {device}); "
@@ -198,13 +205,14 @@ class GreedyDecoder:
             # Warm-up advances the position for real, so it starts from a one-token dummy prompt and
             # must stay inside the cache: 1 + warm-up steps + 1 <= max_len.
             k = max(1, min(self.steps_per_graph, (max_len - 2) // 2))
+            step = torch.compile(state.decode_step) if self.fuse else state.decode_step
 
             def block() -> None:
                 for _ in range(k):
-                    state.decode_step()
+                    step()
 
             graphs = []
-            for fn, n in ((state.decode_step, 1), (block, k)):
+            for fn, n in ((step, 1), (block, k)):
                 with torch.no_grad():
                     state.prefill(torch.zeros(batch, 1, dtype=torch.int64, device=state.pos.device))
                 graph, _ = capture_graph(fn, warmup=2, pool=self._pool,

@@ -265,3 +265,32 @@ def timeline(traces: dict, window_name: str = "forward", title: str = ""):
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def memory_plot(mem, title: str = ""):
+    """Memory added by CUDA graphs vs the number of sequence lengths served, one line per setup
+    (``bench.memory_table``)."""
+    labels = {"own_pool": "one graph per length, own pool each", "shared_pool": "one graph per length, shared pool",
+              "buckets": "buckets (padded), shared pool"}
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for setup, part in mem.groupby("setup", sort=False):
+        ax.plot(part.shapes, part.reserved_bytes / 2**20, marker="o", label=labels.get(setup, setup))
+        last = part.iloc[-1]
+        ax.annotate(f" {int(last.graphs)} graphs", (last.shapes, last.reserved_bytes / 2**20), fontsize=7)
+    ax.set_xlabel("sequence lengths served")
+    ax.set_ylabel("memory reserved by graphs (MiB)")
+    ax.legend(fontsize=7)
+    _finish(fig, ax, title)
+    return fig
+
+
+def baked_value_plot(calls, title: str = ""):
+    """Output of eager vs replay over calls while a Python value changes (a silently wrong replay)."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    ax.plot(calls.call, calls.eager, marker="o", label="eager")
+    ax.plot(calls.call, calls.replay, marker="x", linestyle="--", label="graph replay")
+    ax.set_xlabel("call")
+    ax.set_ylabel("output mean")
+    ax.legend(fontsize=8)
+    _finish(fig, ax, title)
+    return fig

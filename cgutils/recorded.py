@@ -10,6 +10,9 @@ Two modes, one notebook (see ``env.mode``):
   GPU, driver, versions and date, and the saved variables are restored. A cell whose source changed
   since recording is *stale*: :class:`~cgutils.errors.StaleRecordingError` is raised, as it is for a
   missing recording, so the tests fail instead of showing outdated numbers.
+* ``--raises``: the cell is meant to fail (a lesson about an error). Live, its exception is recorded
+  and re-raised; recorded, the outputs are shown and :class:`~cgutils.errors.RecordedCellError`
+  carries the recorded error text. Tag such cells ``raises-exception`` for nbmake.
 
 Layout of a store::
 
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from . import env
-from .errors import InputError, NoCudaError, RecordingError, StaleRecordingError
+from .errors import InputError, NoCudaError, RecordedCellError, RecordingError, StaleRecordingError
 
 MAGIC = "%%recorded"
 
@@ -272,13 +275,14 @@ _state: dict[str, Any] = {"notebook": None}
 _parser = argparse.ArgumentParser(prog=MAGIC, add_help=False)
 _parser.add_argument("key")
 _parser.add_argument("--save", nargs="+", default=[], metavar="VAR[:NAME]")
+_parser.add_argument("--raises", action="store_true")
 
 
 def _parse_line(line: str) -> argparse.Namespace:
     try:
         return _parser.parse_args(shlex.split(line))
     except SystemExit:
-        raise InputError(f"bad {MAGIC} arguments {line!r}; use: {MAGIC} KEY [--save VAR[:NAME] ...]") from None
+        raise InputError(f"bad {MAGIC} arguments {line!r}; use: {MAGIC} KEY [--save VAR[:NAME] ...] [--raises]") from None
 
 
 def _save_targets(args: argparse.Namespace, notebook: str) -> list[tuple[str, str]]:
@@ -377,6 +381,9 @@ def recorded_cell(line: str, cell: str) -> None:
         sys.stdout.flush()
         for var, name in targets:
             shell.user_ns[var] = store.load_value(name)
+        if rec.get("error"):
+            err = rec["error"]
+            raise RecordedCellError(f"(recorded on {prov.get('gpu')}) {err['ename']}: {err['evalue']}")
         return
 
     events: list = []
@@ -391,8 +398,13 @@ def recorded_cell(line: str, cell: str) -> None:
     old_stdout = sys.stdout
     sys.stdout = _Tee(old_stdout, events)
     pub.publish = publish
+    failure: BaseException | None = None
     try:
         _run_live(shell, cell)
+    except Exception as exc:
+        if not args.raises:
+            raise
+        failure = exc  # the failure is the lesson: record it, then raise it as the cell would
     finally:
         sys.stdout = old_stdout
         del pub.publish  # drop the instance attribute: the class's method shows through again
@@ -404,7 +416,11 @@ def recorded_cell(line: str, cell: str) -> None:
     saved = [str(store.save_value(name, shell.user_ns[var], prov).relative_to(store.path)) for var, name in targets]
     if recording_enabled():
         store.save_cell({"notebook": notebook, "key": args.key, "source_hash": digest,
-                         "source": cell, "provenance": prov, "outputs": events, "saved": saved})
+                         "source": cell, "provenance": prov, "outputs": events, "saved": saved,
+                         **({"error": {"ename": type(failure).__name__, "evalue": str(failure)[:4000]}}
+                            if failure is not None else {})})
+    if failure is not None:
+        raise failure
 
 
 def load_ipython_extension(shell) -> None:

@@ -140,16 +140,30 @@ def test_nan_replay_never_passes_validation():
 
 
 # error texts as PyTorch 2.11 / CUDA 13 print them
-@pytest.mark.parametrize("text, needle", [
-    ("CUDA error: operation not permitted when stream is capturing", ".item()"),
+@pytest.mark.parametrize("text, key", [
+    ("CUDA error: operation not permitted when stream is capturing", "sync"),
     ("CUDA error: operation failed due to a previous error during capture\n"
      "cudaErrorStreamCaptureInvalidated", "invalidated"),
-    ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", "default stream"),
-    ("Attempting to capture with a CPU generator", "eval()"),
+    ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", "default_stream"),
+    ("CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok to replay "
+     "them on the default stream.)", "default_stream"),
+    ("Attempting to capture with a CPU generator", "rng"),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", "allocation"),
 ])
-def test_explain_known_capture_errors(text, needle):
+def test_explain_known_capture_errors(text, key):
     why = cg.explain(RuntimeError(text))
-    assert why is not None and needle in (why.cause + why.fix)
+    assert why is not None and why.key == key
+    assert why.cause and why.fix
+
+
+def test_explain_follows_the_exception_chain():
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        except RuntimeError as inner:
+            raise RuntimeError("wrapper text with nothing useful") from inner
+    except RuntimeError as outer:
+        assert cg.explain(outer).key == "sync"
 
 
 def test_explain_unknown_returns_none():
@@ -160,3 +174,111 @@ def test_exception_tree():
     for exc in (cg.CaptureError, cg.InputError, cg.StaleRecordingError, cg.NoCudaError, cg.RecordingError):
         assert issubclass(exc, cg.CgutilsError)
     assert issubclass(cg.StaleRecordingError, cg.RecordingError)
+
+
+# --- validation of replays, sync recording and buckets (CPU: fake replays, simulated sync warnings) ---
+
+def _fake_graph(bug: str):
+    """A stand-in for a captured graph y = 2 * x, with one of the static-buffer bugs."""
+    static_x, static_y = torch.zeros(3), torch.zeros(3)
+    state = {"x": static_x, "scale": 2.0}
+
+    def replay(x):
+        if bug == "rebind":
+            state["x"] = x  # rebinding the name: the "graph" keeps reading static_x
+        else:
+            static_x.copy_(x)
+        static_y.copy_(static_x * (3.0 if bug == "baked" else 2.0))
+        return static_y if bug == "no_clone" else static_y.clone()
+
+    return replay
+
+
+@pytest.mark.parametrize("bug, cause", [("rebind", "stale_input"), ("no_clone", "overwritten_output"),
+                                        ("baked", "baked_value")])
+def test_validate_replay_names_the_static_buffer_bug(bug, cause):
+    from cgutils.capture import validate_replay
+
+    inputs = [(torch.full((3,), float(i + 1)),) for i in range(3)]
+    with pytest.raises(cg.CaptureError) as err:
+        validate_replay(_fake_graph(bug), lambda x: 2 * x, inputs)
+    assert err.value.cause == cause and err.value.max_rel_error > 0
+
+
+def test_validate_replay_passes_a_correct_replay_and_needs_two_inputs():
+    from cgutils.capture import validate_replay
+
+    inputs = [(torch.full((3,), float(i + 1)),) for i in range(3)]
+    table = validate_replay(_fake_graph("none"), lambda x: 2 * x, inputs)
+    assert list(table["max_rel_error"]) == [0.0, 0.0, 0.0]
+    with pytest.raises(cg.InputError, match="at least two"):
+        validate_replay(_fake_graph("none"), lambda x: 2 * x, inputs[:1])
+
+
+def test_sync_recorder_reports_the_users_line_and_the_op():
+    import warnings
+
+    from cgutils.diagnose import SyncRecorder, _op_name
+
+    def model(x):
+        warnings.warn("called a synchronizing CUDA operation")  # stands in for PyTorch's debug-mode warning
+        return x
+
+    with SyncRecorder() as rec:
+        model(torch.ones(1))
+    line = model.__code__.co_firstlineno + 1
+    df = rec.to_frame()
+    assert list(df.columns) == ["op", "file", "line", "code", "function"]
+    assert len(df) == 1 and df.line[0] == line and df.file[0] == __file__ and df.function[0] == "model"
+    assert _op_name(torch.Tensor.item) == "Tensor.item" and _op_name(torch.nonzero) == "torch.nonzero"
+
+
+def test_sync_recorder_passes_other_warnings_through():
+    import warnings
+
+    from cgutils.diagnose import SyncRecorder
+
+    with pytest.warns(UserWarning, match="unrelated"), SyncRecorder() as rec:
+        warnings.warn("unrelated")
+    assert rec.points == []
+
+
+def test_find_sync_points_without_cuda_says_so():
+    from cgutils.diagnose import find_sync_points
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(cg.NoCudaError):
+        find_sync_points(lambda: None)
+
+
+@pytest.mark.parametrize("buckets, msg", [([128], "dict"), ({1: []}, "non-empty"), ({-1: [4]}, "dims"),
+                                          ({1: [0]}, "positive"), ({1: "ab"}, "positive")])
+def test_bad_buckets_are_rejected(buckets, msg):
+    with pytest.raises(cg.InputError, match=msg):
+        cg.GraphRunner(lambda x: x, buckets=buckets)
+
+
+def test_bucket_shapes_and_padding_helpers():
+    from cgutils.capture import _copy_padded
+
+    runner = cg.GraphRunner(lambda x, m: x, buckets={1: (64, 32, 128)})
+    assert runner.buckets == {1: (32, 64, 128)}
+    assert runner._target_shape(torch.zeros(2, 40)) == (2, 64)
+    assert runner._target_shape(torch.zeros(2, 129)) is None  # above the largest bucket: eager fallback
+    assert runner._target_shape(torch.zeros(5)) == (5,)  # too few dims: not bucketed
+    buf = torch.empty(2, 4)
+    _copy_padded(buf, torch.ones(2, 3), pad=-1.0)
+    assert buf.tolist() == [[1, 1, 1, -1], [1, 1, 1, -1]]
+    out = runner._sliced({"h": torch.zeros(2, 64, 8), "p": torch.zeros(2, 8)}, [("x", torch.zeros(2, 40))], [(2, 64)])
+    assert out["h"].shape == (2, 40, 8) and out["p"].shape == (2, 8)
+
+
+def test_param_names_are_bound_once_per_call_pattern():
+    def f(input_ids, attention_mask=None, *rest, **extra):
+        return input_ids
+
+    runner = cg.GraphRunner(f)
+    leaves = runner._leaves((torch.ones(1), torch.ones(1), torch.ones(1)), {"k": torch.ones(1)})
+    assert [n for n, _ in leaves] == ["input_ids", "attention_mask", "rest[0]", "k"]
+    assert len(runner._names) == 1

@@ -140,3 +140,123 @@ def test_graph_methods_memory_is_not_negative():
 
     df = graph_methods_table(["resnet50"], methods=["compile_ro", "graph_runner_compiled"], iters=5, progress=False)
     assert (df.status == "ok").all() and (df.extra_reserved_bytes >= 0).all()
+
+
+# --- issue 4: diagnostics, validation and buckets ---------------------------------------------------
+
+def _syncs(x):
+    a = x.sum().item()
+    b = x[x > 0]
+    if x.mean() > 0:
+        a += 1
+    print(x.max())
+    return b * a
+
+
+def test_find_sync_points_names_ops_and_user_lines():
+    from cgutils.diagnose import find_sync_points
+
+    x = torch.randn(64, device="cuda")
+    df = find_sync_points(_syncs, x)
+    first = _syncs.__code__.co_firstlineno
+    got = list(zip(df.op, df.line - first))
+    assert ("Tensor.item", 1) in got and ("Tensor.__getitem__", 2) in got and ("Tensor.__bool__", 3) in got
+    assert any(line == 5 for _, line in got)  # print
+    assert set(df.file) == {__file__}
+    assert len(find_sync_points(lambda t: t * 2, x)) == 0
+
+
+def test_capture_error_carries_sync_points():
+    x = torch.randn(64, device="cuda")
+    with pytest.raises(cg.CaptureError) as err:
+        cg.GraphRunner(_syncs)(x)
+    e = err.value
+    assert e.cause == "sync" and e.sync_points is not None and len(e.sync_points) >= 4
+    assert e.sync_points.line.iloc[0] == _syncs.__code__.co_firstlineno + 1
+    assert "Tensor.item" in str(e) and "test_gpu.py" in str(e)
+
+
+def _bert(dtype="fp32"):
+    return WORKLOADS["bert-base-seq128"].build(dtype, "cuda")
+
+
+def test_buckets_pad_mask_and_slice_outputs():
+    built = _bert()
+    runner = cg.GraphRunner(built.model, buckets={1: (64, 128)})
+    for n in (100, 120):
+        ids = torch.randint(0, 30000, (1, n), device="cuda")
+        mask = torch.ones_like(ids)
+        got = runner(input_ids=ids, attention_mask=mask)
+        with torch.no_grad():
+            want = built.model(input_ids=ids, attention_mask=mask)
+        assert got.last_hidden_state.shape == (1, n, 768)
+        assert cg.max_rel_error(got.last_hidden_state, want.last_hidden_state) <= 1e-3
+    assert runner.stats.captures == 1 and "(1, 128)" in runner.stats.graphs[0].signature
+
+
+def test_padding_without_mask_is_caught():
+    built = _bert()
+    runner = cg.GraphRunner(built.model, buckets={1: (128,)})
+    ids = torch.randint(0, 30000, (1, 100), device="cuda")
+    with pytest.raises(cg.CaptureError) as err:
+        runner(input_ids=ids)  # no attention mask: real tokens attend to the padding
+    assert err.value.cause == "padding"
+
+
+def test_eager_fallback_above_largest_bucket():
+    built = _bert()
+    runner = cg.GraphRunner(built.model, buckets={1: (64,)})
+    ids = torch.randint(0, 30000, (1, 80), device="cuda")
+    mask = torch.ones_like(ids)
+    with pytest.warns(UserWarning, match="largest bucket"):
+        got = runner(input_ids=ids, attention_mask=mask)
+    runner(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        want = built.model(input_ids=ids, attention_mask=mask)
+    assert runner.stats.fallbacks == 2 and runner.stats.captures == 0
+    assert cg.max_rel_error(got.last_hidden_state, want.last_hidden_state) <= 1e-5
+
+
+def test_capture_buckets_largest_first_shares_the_pool():
+    built = _bert("fp16")
+    runner = cg.GraphRunner(built.model, buckets={1: (64, 128, 256)})
+    ids = torch.randint(0, 30000, (1, 100), device="cuda")
+    st = runner.capture_buckets(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert st.captures == 3 and "(1, 256)" in st.graphs[0].signature and "(1, 64)" in st.graphs[-1].signature
+    # later, smaller graphs reuse the pool the largest one grew
+    assert st.graphs[1].pool_bytes + st.graphs[2].pool_bytes < st.graphs[0].pool_bytes
+
+
+def test_validate_replays_catches_a_changed_python_value():
+    from cgutils.pitfalls import Scaled
+
+    model = Scaled(2.0)
+    runner = cg.GraphRunner(model, validate_replays=3)
+    x = torch.randn(8, device="cuda")
+    runner(x)
+    runner(x)
+    model.scale = 5.0
+    with pytest.raises(cg.CaptureError) as err:
+        runner(x)
+    assert err.value.cause == "baked_value"
+
+
+def test_graph_runner_compile_option_matches_eager():
+    built = _bert("fp16")
+    runner = cg.GraphRunner(built.step, compile=True)
+    args = built.inputs(0)
+    with torch.no_grad():
+        want = built.step(*args)
+    assert cg.max_rel_error(runner(*args), want) <= 1e-2
+
+
+def test_fused_graph_decoder_matches_transformers_fp32():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from cgutils.generation import GreedyDecoder, hf_generate
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).cuda().eval()
+    prompt = torch.randint(0, 50257, (1, 16), device="cuda")
+    got = GreedyDecoder(model, "graph", fuse=True).generate(prompt, 40)
+    assert torch.equal(got, hf_generate(model, prompt, 40))

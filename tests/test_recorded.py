@@ -191,3 +191,36 @@ def test_unknown_recorded_gpu_lists_what_exists(tmp_results, monkeypatch):
 def test_check_recordings_needs_a_notebook_folder(tmp_results, tmp_path):
     with pytest.raises(cg.RecordingError, match="not a folder of notebooks"):
         check_recordings(tmp_path / "missing")
+
+
+def test_raising_cell_is_recorded_and_raises_in_both_modes(tmp_results, shell, monkeypatch, capsys):
+    """A --raises cell: live, the error is recorded and re-raised; recorded, the same error text comes back."""
+    store = ResultsStore("nvidia-h200", root=tmp_results)
+    monkeypatch.setattr(recorded, "live_store", lambda: store)
+    monkeypatch.setattr(env, "provenance", lambda: PROV)
+    monkeypatch.setenv("CGUTILS_RECORD", "1")
+    monkeypatch.setenv("CGUTILS_MODE", "live")
+    monkeypatch.setattr(env, "cuda_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
+    recorded.setup_notebook("01_demo")
+    capsys.readouterr()
+    body = "print('before')\nraise RuntimeError('CUDA error: operation not permitted when stream is capturing')"
+    with pytest.raises(RuntimeError, match="not permitted"):
+        recorded.recorded_cell(" boom --raises", body)
+    assert "before" in capsys.readouterr().out
+    rec = store.load_cell("01_demo", "boom")
+    assert rec["error"]["ename"] == "RuntimeError" and "not permitted" in rec["error"]["evalue"]
+
+    monkeypatch.setenv("CGUTILS_MODE", "recorded")
+    monkeypatch.setattr(env, "cuda_available", lambda: False)
+    monkeypatch.setattr("IPython.display.publish_display_data", lambda data, metadata=None: None)
+    with pytest.raises(cg.errors.RecordedCellError, match="RuntimeError: CUDA error: operation not permitted"):
+        recorded.recorded_cell(" boom --raises", body)
+    assert "before" in capsys.readouterr().out
+    # without --raises an exception propagates and nothing is recorded
+    monkeypatch.setenv("CGUTILS_MODE", "live")
+    monkeypatch.setattr(env, "cuda_available", lambda: True)
+    with pytest.raises(ZeroDivisionError):
+        recorded.recorded_cell(" plain", "1 / 0")
+    with pytest.raises(cg.RecordingError):
+        store.load_cell("01_demo", "plain")
