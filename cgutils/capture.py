@@ -386,7 +386,8 @@ def graph_node_types(dot: str) -> dict[str, int]:
     return dict(collections.Counter(re.findall(r'label="\{\s*([A-Z_]+)', dot)))
 
 
-def _reset_rng_after_failed_capture() -> None:
+def reset_rng_after_failed_capture() -> None:
+    """Return PyTorch's default CUDA generators to eager use after a capture that raised."""
     # When capture fails, PyTorch raises before its default CUDA generators leave capture mode, and
     # every later random op then fails with "Offset increment outside graph capture". A clone of a
     # generator state keeps seed and offset but not the capture flag (CUDAGeneratorState::clone in
@@ -419,7 +420,8 @@ def _capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Captur
         f"CUDA graph capture of {what} failed: {type(exc).__name__}: {_first_line(exc)}\n"
         + (str(why) if why else "No known pattern matched the error text.") + note,
         original=exc, explanation=str(why or ""), sync_points=syncs,
-        cause=why.key if why else ("sync" if syncs is not None and len(syncs) else ""))
+        # syncs found by running the code are firmer evidence than a match on the error text
+        cause="sync" if syncs is not None and len(syncs) else (why.key if why else ""))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -468,7 +470,7 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         with torch.cuda.graph(graph, pool=pool), torch.no_grad():
             static_out = fn()
     except Exception as exc:
-        _reset_rng_after_failed_capture()
+        reset_rng_after_failed_capture()
         raise _capture_failure(exc, fn, what) from exc
     torch.cuda.synchronize()
     return graph, static_out
@@ -556,6 +558,7 @@ class GraphRunner:
         self.pad_value = pad_value
         self._pool = pool
         self._spec: list[ArgSpec] | None = None
+        self._accepted: list[tuple] = []
         self._names: dict[tuple, list[tuple[str, tuple[str, Any]]]] = {}
         self._graphs: dict[tuple, _Graph] = {}
         self._replays = 0
@@ -605,13 +608,19 @@ class GraphRunner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = self._leaves(args, kwargs)
-        specs = [ArgSpec.of(n, leaf) for n, leaf in leaves]
-        check_inputs(specs, self._spec, strict=self.strict)
-        if not torch.cuda.is_available():
-            raise NoCudaError("GraphRunner needs a CUDA device and none is visible "
-                              "(torch.cuda.is_available() is False); call the model eagerly instead")
-        if self._spec is None:
-            self._spec = specs
+        # Replay is the hot path: a call whose argument kinds, dtypes, ranks, devices and values equal
+        # an already accepted call skips the full check (it would pass) and its error formatting.
+        quick = tuple((type(leaf), leaf.dtype, leaf.dim(), leaf.device) if isinstance(leaf, torch.Tensor)
+                      else (type(leaf), leaf) for _, leaf in leaves)
+        if not any(_same_value(quick, seen) for seen in self._accepted):
+            specs = [ArgSpec.of(n, leaf) for n, leaf in leaves]
+            check_inputs(specs, self._spec, strict=self.strict)
+            if not torch.cuda.is_available():
+                raise NoCudaError("GraphRunner needs a CUDA device and none is visible "
+                                  "(torch.cuda.is_available() is False); call the model eagerly instead")
+            if self._spec is None:
+                self._spec = specs
+            self._accepted.append(quick)
         named = [(n, leaf) for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
         targets = [self._target_shape(t) for _, t in named] if self.buckets else [tuple(t.shape) for _, t in named]
         if any(tg is None for tg in targets):

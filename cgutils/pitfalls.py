@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import GraphRunner, max_rel_error, validate_replay
+from .capture import GraphRunner, reset_rng_after_failed_capture, max_rel_error, validate_replay
 from .diagnose import explain
 from .errors import CaptureError, CgutilsError, InputError, NoCudaError
 
@@ -236,6 +236,7 @@ def _static_runner_check(p: Pitfall, x: torch.Tensor) -> dict:
     except CgutilsError as exc:
         return _row(exc)
     except Exception as exc:  # capture itself refused it: record the raw error and its explanation
+        reset_rng_after_failed_capture()
         why = explain(exc)
         return _row(exc, cause=why.key if why else "", explanation=str(why or ""))
     return _row(None, message="no error")
@@ -364,6 +365,7 @@ def _manual_capture(fn: Callable[[], Any], *, on_default_stream: bool = False) -
         torch.cuda.synchronize()
         err = max_rel_error(out, fn())
     except Exception as exc:  # the raw CUDA/PyTorch error is the observation here
+        reset_rng_after_failed_capture()  # else every later random op fails ("Offset increment ...")
         why = explain(exc)
         return _row(exc, cause=why.key if why else "", explanation=str(why or ""))
     return _row(None, message=f"no error; replay vs eager max relative error {err:.3g}", max_rel_error=err)
@@ -509,7 +511,12 @@ def catalogue_table(keys: list[str] | None = None, progress: bool = True):
     for k in tqdm(keys, desc="pitfalls", disable=not progress):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rows.append(run(k))
+            try:
+                rows.append({**run(k), "status": "ok"})
+            except Exception as exc:  # one broken entry must not hide the others
+                p = PITFALLS[k]
+                rows.append({"key": k, "title": p.title, "kind": p.kind, "fix": p.fix, "exception": "",
+                             "message": "", "status": f"error: {type(exc).__name__}: {exc}"[:300]})
     return pd.DataFrame(rows)
 
 
