@@ -72,8 +72,10 @@ _RULES: list[tuple[str, str, str, str]] = [
      "synchronisation: .item(), .cpu(), .tolist(), print() of a CUDA tensor, torch.nonzero, "
      "boolean-mask indexing, a Python `if` on a CUDA tensor, or torch.cuda.synchronize()", _SYNC_FIX),
     ("invalidated", r"capture.*invalidated|cudaErrorStreamCaptureInvalidated|previous error during capture",
-     "an earlier illegal call (usually a sync) invalidated the capture; the error you see is "
-     "a consequence, not the first failure", _SYNC_FIX),
+     "an earlier illegal call invalidated the capture, and the error you see is a consequence, not "
+     "the first failure. Usually a CPU-GPU sync; without warm-up it is often one-time setup instead "
+     "(cuBLAS handle or workspace creation, cuDNN autotuning with cudnn.benchmark)",
+     "warm up with the real shapes before capture (GraphRunner and capture_graph do); then " + _SYNC_FIX),
     ("host_copy", r"pin_memory|pinned|cudaHostAlloc|cudaMemcpy.*Host",
      "a host-device copy happened inside the captured region",
      "copy inputs into static buffers before replay, and read outputs after it"),
@@ -210,7 +212,7 @@ class SyncRecorder:
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if _SYNC_WARNING in str(message):
                 self._record(self._tracker.current)
-            else:
+            elif "debug mode is a prototype" not in str(message):  # said on every switch: noise
                 shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = showwarning

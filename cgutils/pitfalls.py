@@ -181,6 +181,9 @@ def _rebind_input(x):
         g.replay()
         return static_y.clone()
 
+    # The graph holds the buffer's address, not a reference: if nothing kept static_x alive, the
+    # allocator would hand its memory to the next tensor and replay would read that instead.
+    graphed.static_input = static_x
     return graphed
 
 
@@ -214,11 +217,11 @@ def _overwritten_output_fixed(x):
 
 
 def _cpu_input(x):
-    """Manual capture of work on a CPU tensor: it runs once, at capture; replay does not redo it."""
+    """Manual capture of a function whose input lives on the CPU: its copy to the GPU is inside capture."""
     static_x = x.cpu()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        static_y = (static_x * 2).cuda()  # <- pitfall: CPU math is not a GPU kernel, so not in the graph
+        static_y = (static_x * 2).cuda()  # <- pitfall: a pageable host-to-device copy inside capture
 
     def graphed(new_x):
         static_x.copy_(new_x)
@@ -425,9 +428,10 @@ PITFALLS: dict[str, Pitfall] = {p.key: p for p in [
     Pitfall("overwritten_output", "keeping an output across the next replay", "silent", _overwritten_output,
             _static_runner_check, "clone before the next replay; GraphRunner(clone_outputs=True), the default",
             _overwritten_output_fixed, {"exception": "CaptureError", "cause": "overwritten_output"}),
-    Pitfall("cpu_input", "CPU tensor inputs", "silent", _cpu_input, _cpu_input_check,
-            "move inputs to the GPU first; GraphRunner refuses CPU tensors with InputError",
-            None, {"runner_exception": "InputError"}),
+    Pitfall("cpu_input", "CPU tensor inputs (a host copy inside capture)", "loud", _cpu_input, _cpu_input_check,
+            "move inputs to the GPU before the graph and copy_ them into static buffers; GraphRunner refuses "
+            "CPU tensors with InputError", None,
+            {"exception": "RuntimeError", "cause": "host_copy", "runner_exception": "InputError"}),
     Pitfall("python_value", "a Python number baked in at capture", "silent", Scaled, _baked,
             "keep such values in CUDA buffers (register_buffer); GraphRunner(validate_replays=K) checks",
             ScaledFixed, {"exception": "CaptureError", "cause": "baked_value"}),
@@ -447,9 +451,9 @@ PITFALLS: dict[str, Pitfall] = {p.key: p for p in [
     Pitfall("cudnn_benchmark", "cudnn.benchmark autotuning during capture", "loud", _cudnn_benchmark,
             _cudnn_benchmark_check, "warm up with the real shapes before capture so autotuning runs eagerly",
             None, {}),
-    Pitfall("default_stream", "capture on the default stream", "loud", _default_stream, _default_stream_check,
-            "use torch.cuda.graph (it captures on a side stream) or capture inside torch.cuda.stream(s)",
-            None, {"exception": "RuntimeError", "cause": "default_stream"}),
+    Pitfall("default_stream", "capture_begin on the default stream", "loud", _default_stream, _default_stream_check,
+            "use torch.cuda.graph (it captures on a side stream) or capture inside torch.cuda.stream(s); "
+            "CUDA cannot capture the legacy default stream (cudaStreamBeginCapture)", None, {}),
 ]}
 
 
