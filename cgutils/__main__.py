@@ -67,6 +67,11 @@ def _print_suite(suite: str, frames: dict, source: str, prov: dict, markdown: bo
     if suite == "speedup":
         _print_summary(frames["speedup"], source, prov, markdown)
         return
+    if suite == "pitfalls" and markdown:
+        from .pitfalls import markdown_table
+
+        print(markdown_table(frames["pitfalls"]), end="")
+        return
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
         for name, df in frames.items():
             print(f"\n{name}:")

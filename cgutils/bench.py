@@ -452,7 +452,7 @@ def memory_table(seqs: Iterable[int] = MEMORY_SEQS, buckets: Iterable[int] = MEM
     * ``own_pool``: one GraphRunner (hence one private memory pool) per length, as a naive
       "one graph per shape" setup does; the source article warns this wastes memory.
     * ``shared_pool``: one GraphRunner, one graph per length, all in one pool, captured longest first.
-    * ``buckets``: one GraphRunner with ``buckets={1: buckets}``: lengths padded up to the next bucket,
+    * ``buckets``: one GraphRunner with ``buckets={1: buckets}``, longest first: lengths padded up to the next bucket,
       so ``len(buckets)`` graphs serve every length.
 
     Memory is what the graphs added, in bytes: growth of ``torch.cuda.memory_reserved()`` from before
@@ -480,7 +480,7 @@ def memory_table(seqs: Iterable[int] = MEMORY_SEQS, buckets: Iterable[int] = MEM
         return ids, torch.ones_like(ids)
 
     rows = []
-    setups = {"own_pool": list(seqs), "shared_pool": sorted(seqs, reverse=True), "buckets": list(seqs)}
+    setups = {"own_pool": list(seqs), "shared_pool": sorted(seqs, reverse=True), "buckets": sorted(seqs, reverse=True)}
     bar = tqdm(total=sum(len(v) for v in setups.values()), desc="graph memory", disable=not progress)
     for setup, order in setups.items():
         gc.collect()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import GraphRunner, reset_rng_after_failed_capture, max_rel_error, validate_replay
+from .capture import GraphRunner, max_rel_error, reset_rng_after_failed_capture, validate_replay
 from .diagnose import explain
 from .errors import CaptureError, CgutilsError, InputError, NoCudaError
 

@@ -221,7 +221,7 @@ def test_sync_recorder_reports_the_users_line_and_the_op():
     from cgutils.diagnose import SyncRecorder, _op_name
 
     def model(x):
-        warnings.warn("called a synchronizing CUDA operation")  # stands in for PyTorch's debug-mode warning
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)  # stands in for PyTorch's debug-mode warning
         return x
 
     with SyncRecorder() as rec:
@@ -239,7 +239,7 @@ def test_sync_recorder_passes_other_warnings_through():
     from cgutils.diagnose import SyncRecorder
 
     with pytest.warns(UserWarning, match="unrelated"), SyncRecorder() as rec:
-        warnings.warn("unrelated")
+        warnings.warn("unrelated", stacklevel=1)
     assert rec.points == []
 
 

@@ -35,3 +35,34 @@ def test_readme_table_matches_the_recording():
     assert m, "README.md lacks the speedup-table markers"
     assert m.group(1).strip() == expected.strip(), (
         "README table differs from results/: paste the output of `python -m cgutils bench --markdown`")
+
+
+def _recorded_pitfalls():
+    return ResultsStore("nvidia-h200", env.REPO_ROOT / "results").load_frame("pitfalls")
+
+
+def test_docs_pitfall_table_matches_the_recording():
+    from cgutils.pitfalls import markdown_table as pitfall_table
+
+    doc = (env.REPO_ROOT / "docs" / "pitfalls.md").read_text()
+    m = re.search(r"<!-- pitfalls-table:begin -->\n(.*?)\n<!-- pitfalls-table:end -->", doc, re.S)
+    assert m, "docs/pitfalls.md lacks the pitfalls-table markers"
+    assert m.group(1).strip() == pitfall_table(_recorded_pitfalls()).strip(), (
+        "docs/pitfalls.md differs from results/: paste `python -m cgutils bench pitfalls --markdown`")
+
+
+def test_recorded_catalogue_is_complete_and_explained():
+    """Every entry ran on the GPU, and explain() maps each recorded error text, here on the CPU, to the
+    cause recorded there."""
+    from cgutils import explain
+    from cgutils.pitfalls import PITFALLS
+
+    df = _recorded_pitfalls()
+    assert sorted(df.key) == sorted(PITFALLS) and set(df.status) == {"ok"}
+    raw = df[(df.exception.fillna("") != "") & (df.exception != "CaptureError")]
+    assert len(raw) >= 2
+    for r in raw.itertuples():
+        assert explain(r.message).key == r.cause, (r.key, r.message)
+    wrapped = df[df.original.fillna("") != ""]
+    for r in wrapped.itertuples():  # the CUDA text under each CaptureError is recognised too
+        assert explain(r.original) is not None, (r.key, r.original)
