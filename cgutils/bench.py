@@ -514,12 +514,12 @@ def memory_table(seqs: Iterable[int] = MEMORY_SEQS, buckets: Iterable[int] = MEM
     return pd.DataFrame(rows)
 
 
-def validation_cost(seqs: Iterable[int] = (128, 512), dtype: str = "fp16", repeats: int = 5, progress: bool = True):
+def validation_cost(seqs: Iterable[int] = (128, 512), dtype: str = "fp16", repeats: int = 11, progress: bool = True):
     """What validation at capture costs: GraphRunner capture time with and without it (BERT-base).
 
     Each repeat builds a new GraphRunner and times its first call (warm-up, capture, and with
     ``validate=True`` one extra replay, one output clone and the comparison); cuBLAS/cuDNN are warm
-    from an untimed call first.
+    from untimed calls first, and the two settings alternate so that drift affects both.
 
     Returns:
         DataFrame with columns ``seq, validate, capture_ms`` (median over repeats), ``p10_ms``,
@@ -536,21 +536,23 @@ def validation_cost(seqs: Iterable[int] = (128, 512), dtype: str = "fp16", repea
         raise NoCudaError("validation_cost captures graphs on a CUDA GPU and none is visible")
     built = get_workload("bert-base-seq128").build(dtype, "cuda")
     rows = []
-    combos = [(n, v) for n in seqs for v in (False, True)]
-    for n, validate in tqdm(combos, desc="validation cost", disable=not progress):
+    for n in tqdm(list(seqs), desc="validation cost", disable=not progress):
         ids = torch.randint(0, built.model.config.vocab_size, (1, n), device="cuda")
         mask = torch.ones_like(ids)
-        GraphRunner(built.model, validate=validate)(input_ids=ids, attention_mask=mask)  # untimed: warm libraries
-        times = []
+        for validate in (False, True):  # untimed: warm cuBLAS/cuDNN for this shape
+            GraphRunner(built.model, validate=validate)(input_ids=ids, attention_mask=mask)
+        times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(repeats):
-            runner = GraphRunner(built.model, validate=validate)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            runner(input_ids=ids, attention_mask=mask)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-            del runner
-        rows.append({"seq": n, "validate": validate, "capture_ms": float(np.median(times)),
-                     "p10_ms": float(np.percentile(times, 10)), "p90_ms": float(np.percentile(times, 90)),
-                     "gpu": torch.cuda.get_device_name(0)})
+            for validate in (False, True):  # interleaved, so that drift hits both alike
+                runner = GraphRunner(built.model, validate=validate)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                runner(input_ids=ids, attention_mask=mask)
+                torch.cuda.synchronize()
+                times[validate].append((time.perf_counter() - t0) * 1e3)
+                del runner
+        for validate, ts in times.items():
+            rows.append({"seq": n, "validate": validate, "capture_ms": float(np.median(ts)),
+                         "p10_ms": float(np.percentile(ts, 10)), "p90_ms": float(np.percentile(ts, 90)),
+                         "gpu": torch.cuda.get_device_name(0)})
     return pd.DataFrame(rows)

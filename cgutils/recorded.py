@@ -323,12 +323,17 @@ def _run_live(shell, cell: str) -> None:
     """Run ``cell`` in the user namespace; display the value of a trailing expression, like IPython."""
     from IPython.display import display
 
+    import linecache
+
     tree = ast.parse(cell)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     ns = shell.user_ns
-    exec(compile(tree, "<recorded cell>", "exec"), ns)  # noqa: S102 - this is a notebook cell
+    # Registered with linecache so that tracebacks and cgutils' sync points can quote the cell's lines.
+    name = f"<recorded cell {source_hash('', cell)}>"
+    linecache.cache[name] = (len(cell), None, cell.splitlines(True), name)
+    exec(compile(tree, name, "exec"), ns)  # noqa: S102 - this is a notebook cell
     if last is not None:
-        value = eval(compile(ast.Expression(last.value), "<recorded cell>", "eval"), ns)  # noqa: S307
+        value = eval(compile(ast.Expression(last.value), name, "eval"), ns)  # noqa: S307
         if value is not None and not _ends_with_semicolon(cell):
             display(value)
     if "matplotlib.pyplot" in sys.modules:  # figures are shown here, inside the capture, not after
