@@ -162,11 +162,13 @@ class _OpTracker(torch.overrides.TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.current: str | None = None
+        self.calls = 0  # outermost torch calls so far: one user call may sync several times inside
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         outer = self.current
         if outer is None:
             self.current = _op_name(func)
+            self.calls += 1
         try:
             return func(*args, **(kwargs or {}))
         finally:
@@ -195,8 +197,14 @@ class SyncRecorder:
     def __init__(self):
         self.points: list[SyncPoint] = []
         self._tracker = _OpTracker()
+        self._last_call: int | None = None
 
-    def _record(self, op: str | None) -> None:
+    def _record(self, op: str | None, call: int | None = None) -> None:
+        # One user-level call can sync many times inside (printing a tensor syncs once per piece it
+        # formats); each user call is reported once.
+        if call is not None and call == self._last_call:
+            return
+        self._last_call = call
         fr = _user_frame(traceback.extract_stack()[:-2])
         if fr is None:
             return
@@ -211,7 +219,8 @@ class SyncRecorder:
 
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if _SYNC_WARNING in str(message):
-                self._record(self._tracker.current)
+                inside = self._tracker.current is not None
+                self._record(self._tracker.current, self._tracker.calls if inside else None)
             elif "debug mode is a prototype" not in str(message):  # said on every switch: noise
                 shown(message, category, filename, lineno, file, line)
 

@@ -282,3 +282,22 @@ def test_param_names_are_bound_once_per_call_pattern():
     leaves = runner._leaves((torch.ones(1), torch.ones(1), torch.ones(1)), {"k": torch.ones(1)})
     assert [n for n, _ in leaves] == ["input_ids", "attention_mask", "rest[0]", "k"]
     assert len(runner._names) == 1
+
+
+def test_one_user_call_that_syncs_many_times_is_one_sync_point():
+    """Printing a CUDA tensor syncs once per formatted piece; it was reported 8 times for one print."""
+    from cgutils.diagnose import SyncRecorder
+
+    rec = SyncRecorder()
+
+    def inner_syncs():
+        rec._record("Tensor.__repr__", 1)  # three syncs inside one outermost torch call
+        rec._record("Tensor.__repr__", 1)
+        rec._record("Tensor.__repr__", 1)
+        rec._record("Tensor.item", 2)
+        rec._record("torch.cuda.synchronize")  # outside any torch call: always its own point
+        rec._record("torch.cuda.synchronize")
+
+    inner_syncs()
+    assert [p.op for p in rec.points] == ["Tensor.__repr__", "Tensor.item", "torch.cuda.synchronize",
+                                          "torch.cuda.synchronize"]
