@@ -528,6 +528,8 @@ def markdown_table(df) -> str:
     """The catalogue as a Markdown table (docs/pitfalls.md) from a recorded ``catalogue_table``."""
     lines = ["| # | pitfall | kind | what happens (recorded) | cgutils diagnosis | fix |",
              "|---|---|---|---|---|---|"]
+    text = [c for c in ("exception", "cause", "op", "original", "message") if c in df]
+    df = df.astype({c: object for c in text}).fillna({c: "" for c in text})  # a CSV round trip leaves NaN
     for i, r in enumerate(df.itertuples(), 1):
         diag = r.exception or "no error"
         if getattr(r, "cause", ""):
@@ -535,5 +537,6 @@ def markdown_table(df) -> str:
         if getattr(r, "op", ""):
             diag += f": `{r.op}` at line {int(r.line)}"
         happens = str(getattr(r, "original", "") or r.message).replace("|", "\\|")
-        lines.append(f"| {i} | {r.title} | {r.kind} | {happens} | {diag} | {r.fix.replace('|', '/')} |")
+        kind = r.kind if r.exception or r.kind != "loud" else "loud elsewhere; no error here"
+        lines.append(f"| {i} | {r.title} | {kind} | {happens} | {diag} | {r.fix.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -274,7 +274,7 @@ _state: dict[str, Any] = {"notebook": None}
 
 _parser = argparse.ArgumentParser(prog=MAGIC, add_help=False)
 _parser.add_argument("key")
-_parser.add_argument("--save", nargs="+", default=[], metavar="VAR[:NAME]")
+_parser.add_argument("--save", nargs="+", action="extend", default=[], metavar="VAR[:NAME]")
 _parser.add_argument("--raises", action="store_true")
 
 

@@ -66,3 +66,11 @@ def test_record_without_cuda_explains(recorded_table):
 def test_bad_arguments_exit_2():
     r = run_cli("bench", "--workloads", "nope")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.parametrize("suite, needle", [("pitfalls", "`Tensor.item` at line"), ("memory", "own_pool"),
+                                           ("methods", "runner_compiled_static_vs_compile_ro")])
+def test_new_suites_show_the_committed_recordings(suite, needle):
+    r = run_cli("bench", suite, *(["--markdown"] if suite == "pitfalls" else []))
+    assert r.returncode == 0, r.stderr
+    assert needle in r.stdout

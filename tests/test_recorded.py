@@ -224,3 +224,9 @@ def test_raising_cell_is_recorded_and_raises_in_both_modes(tmp_results, shell, m
         recorded.recorded_cell(" plain", "1 / 0")
     with pytest.raises(cg.RecordingError):
         store.load_cell("01_demo", "plain")
+
+
+def test_repeated_save_flags_accumulate():
+    """`--save a:x --save b:y` kept only the last flag, so notebook 03 lost its memory table."""
+    args = recorded._parse_line("k --save a:x --save b:y c")
+    assert args.save == ["a:x", "b:y", "c"]
