@@ -260,3 +260,21 @@ def test_fused_graph_decoder_matches_transformers_fp32():
     prompt = torch.randint(0, 50257, (1, 16), device="cuda")
     got = GreedyDecoder(model, "graph", fuse=True).generate(prompt, 40)
     assert torch.equal(got, hf_generate(model, prompt, 40))
+
+
+def test_warmups_share_one_side_stream():
+    """Each capture warmed up on a new side stream, and the allocator kept those blocks per stream:
+    memory_reserved grew ~33 MiB per BERT-base capture although the graph pool did not."""
+    import gc
+
+    built = _bert("fp16")
+    runner = cg.GraphRunner(built.model)
+    gc.collect()
+    torch.cuda.empty_cache()
+    for i, n in enumerate((512, 448, 384, 320)):
+        ids = torch.randint(0, 30000, (1, n), device="cuda")
+        runner(input_ids=ids, attention_mask=torch.ones_like(ids))
+        torch.cuda.synchronize()
+        if i == 0:
+            after_first = torch.cuda.memory_reserved()
+    assert torch.cuda.memory_reserved() - after_first < 30 * 2**20
