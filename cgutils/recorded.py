@@ -321,9 +321,9 @@ def _jsonable_data(data: dict) -> dict:
 
 def _run_live(shell, cell: str) -> None:
     """Run ``cell`` in the user namespace; display the value of a trailing expression, like IPython."""
-    from IPython.display import display
-
     import linecache
+
+    from IPython.display import display
 
     tree = ast.parse(cell)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
