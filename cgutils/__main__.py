@@ -67,11 +67,14 @@ def _print_suite(suite: str, frames: dict, source: str, prov: dict, markdown: bo
     if suite == "speedup":
         _print_summary(frames["speedup"], source, prov, markdown)
         return
-    if suite == "pitfalls" and markdown:
+    if suite == "pitfalls":
         from .pitfalls import markdown_table
 
-        print(markdown_table(frames["pitfalls"]), end="")
-        return
+        if markdown:
+            print(markdown_table(frames["pitfalls"]), end="")
+            return
+        cols = [c for c in ("key", "kind", "exception", "cause", "op", "line", "fix_ok") if c in frames["pitfalls"]]
+        frames = {"pitfalls (the full table: --markdown, or docs/pitfalls.md)": frames["pitfalls"][cols]}
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
         for name, df in frames.items():
             print(f"\n{name}:")
@@ -224,14 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmark suites (recorded tables without CUDA)")
     b.add_argument("suite", nargs="?", choices=list(SUITES), default="speedup",
                    help="speedup (default): eager vs graphs per workload; overhead: launch cost, kernel "
-                        "size, launch-bound fraction; methods: four ways to get a graph; generation: GPT-2 decoders")
+                        "size, launch-bound fraction; methods: four ways to get a graph; generation: GPT-2 decoders; "
+                        "memory: graph memory per shape, shared pool, buckets, validation cost; pitfalls: the "
+                        "pitfall catalogue")
     b.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None, help="speedup suite only")
     b.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "fp16"])
     b.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     b.add_argument("--budget", type=float, default=2.0, help="timed seconds per row (default 2)")
     b.add_argument("--out", help="folder for the CSV tables (default: the live store, build/live/<gpu>/)")
     b.add_argument("--show", action="store_true", help="print the latest table, do not measure")
-    b.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    b.add_argument("--markdown", action="store_true",
+                   help="print markdown: the README's table (speedup), docs/pitfalls.md's (pitfalls), else each table")
     b.set_defaults(func=cmd_bench)
     r = sub.add_parser("record", help="re-record notebooks on a GPU, or --check recordings")
     r.add_argument("--check", action="store_true")

@@ -438,13 +438,14 @@ def method_targets(df) -> Any:
 
     ok = df[df.status == "ok"].pivot_table(index="workload", columns="method", values="median_ms")
     rows = []
+    nan = float("nan")
     for w, r in ok.iterrows():
+        ms = {m: r.get(m, nan) for m in METHODS}  # a method that failed or was not run gives NaN ratios
         rows.append({"workload": w,
-                     "runner_us_over_raw": (r.get("graph_runner") - r.get("manual_graph")) * 1e3,
-                     "runner_vs_compile_ro": r.get("graph_runner") / r.get("compile_ro"),
-                     "runner_compiled_vs_compile_ro": r.get("graph_runner_compiled") / r.get("compile_ro"),
-                     "runner_compiled_static_vs_compile_ro":
-                         r.get("graph_runner_compiled_static", float("nan")) / r.get("compile_ro")})
+                     "runner_us_over_raw": (ms["graph_runner"] - ms["manual_graph"]) * 1e3,
+                     "runner_vs_compile_ro": ms["graph_runner"] / ms["compile_ro"],
+                     "runner_compiled_vs_compile_ro": ms["graph_runner_compiled"] / ms["compile_ro"],
+                     "runner_compiled_static_vs_compile_ro": ms["graph_runner_compiled_static"] / ms["compile_ro"]})
     return pd.DataFrame(rows)
 
 
@@ -469,7 +470,9 @@ def memory_table(seqs: Iterable[int] = MEMORY_SEQS, buckets: Iterable[int] = MEM
 
     Returns:
         DataFrame with columns ``setup, shapes`` (lengths served so far), ``graphs`` (captured so far),
-        ``reserved_bytes`` (cumulative growth), ``pool_bytes`` (cumulative pool growth), ``capture_ms``
+        ``reserved_bytes`` (growth of ``memory_reserved`` since the setup began; it can drop, because
+        ``torch.cuda.graph`` empties the allocator cache before capturing), ``pool_bytes`` (cumulative
+        growth of the graphs' pools), ``capture_ms``
         (that length's capture, 0 when no new graph), ``gpu``.
 
     Raises:

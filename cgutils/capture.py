@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -136,6 +137,10 @@ def check_inputs(specs: list[ArgSpec], reference: list[ArgSpec] | None, *, stric
     if names != ref_names:
         missing = [n for n in ref_names if n not in names]
         extra = [n for n in names if n not in ref_names]
+        if not missing and not extra:
+            raise InputError(
+                f"the arguments came in another order ({names}) than at the first call ({ref_names}); the "
+                f"static buffers are matched by position, so pass them in the first call's order")
         raise InputError(
             f"the arguments changed since the first call (missing: {missing or 'none'}, new: "
             f"{extra or 'none'}); a graph captures a fixed argument structure. Pass the same "
@@ -166,9 +171,17 @@ def check_inputs(specs: list[ArgSpec], reference: list[ArgSpec] | None, *, stric
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True  # the same NaN passed twice is the same value
     try:
         return bool(a is b or a == b)
-    except Exception:  # objects whose == is ambiguous or raises: identity is the only safe test
+    except Exception:  # == is elementwise (arrays) or ambiguous
+        pass
+    try:
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+    except Exception:
         return a is b
 
 
@@ -252,11 +265,12 @@ def _default_rtol(dtypes: set[torch.dtype]) -> float:
 def max_rel_error(actual: Any, expected: Any) -> float:
     """Largest relative error between two nests of tensors: ``max|a-e| / max|e|`` per leaf.
 
-    Integer and bool leaves count 0.0 when equal and ``inf`` otherwise. NaN or infinity where the
-    other side has none (or another value) counts ``inf``: a replay that produces NaN never passes.
+    Integer and bool leaves count 0.0 when equal and ``inf`` otherwise; so do non-tensor leaves (Python
+    numbers, strings, None, arrays). NaN or infinity where the other side has none (or another value)
+    counts ``inf``: a replay that produces NaN never passes.
 
     Raises:
-        InputError: if the two nests differ in structure or shapes, or a leaf pair is not two tensors.
+        InputError: if the two nests differ in structure or shapes, or a tensor is paired with a non-tensor.
     """
     a_leaves, e_leaves = tree_leaves(actual), tree_leaves(expected)
     if len(a_leaves) != len(e_leaves):
@@ -264,6 +278,8 @@ def max_rel_error(actual: Any, expected: Any) -> float:
     worst = 0.0
     for (path, a), (_, e) in zip(a_leaves, e_leaves, strict=True):
         if not isinstance(a, torch.Tensor) and not isinstance(e, torch.Tensor):
+            if not _same_value(a, e):
+                return float("inf")  # a non-tensor output that differs is as wrong as a tensor that does
             continue
         if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)):
             raise InputError(f"{path}: cannot compare {type(a).__name__} with {type(e).__name__}; "
@@ -322,9 +338,16 @@ def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], input
     """
     import pandas as pd
 
+    inputs = list(inputs)
+    if not all(isinstance(args, tuple) for args in inputs):
+        raise InputError("validate_replay takes inputs as a list of argument tuples, e.g. [(x1,), (x2,)], got "
+                         + ", ".join(type(a).__name__ for a in inputs[:3]))
     if len(inputs) < 2:
         raise InputError("validate_replay needs at least two inputs with different values; with one, "
                          "stale inputs and overwritten outputs cannot show")
+    if all(max_rel_error(args, inputs[0]) == 0 for args in inputs[1:]):
+        raise InputError("validate_replay got identical inputs; stale inputs and overwritten outputs only show "
+                         "with different values (e.g. torch.randn_like for each)")
     held = [replay(*args) for args in inputs]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -437,7 +460,8 @@ _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
 def _warmup_stream() -> torch.cuda.Stream:
     # One side stream per device for every warm-up: the caching allocator keeps freed blocks per
     # stream, so a new stream per capture left each warm-up's activations reserved for a stream that
-    # was never used again (about 33 MiB per BERT-base capture on the H200, notebook 03).
+    # was never used again (bench.memory_table at commit 6b4da10 on the H200: reserved memory grew by
+    # about 33 MiB per BERT-base capture while the shared graph pool stayed at 27 MiB).
     dev = torch.cuda.current_device()
     if dev not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[dev] = torch.cuda.Stream()
@@ -560,8 +584,21 @@ class GraphRunner:
             raise InputError(f"pad_value must be a number or a dict of argument name -> number, got {pad_value!r}")
         if compile is not False and not isinstance(compile, (bool, dict)):
             raise InputError(f"compile must be True, False or a dict of torch.compile arguments, got {compile!r}")
+        options = compile if isinstance(compile, dict) else {}
+        if options.get("mode") not in (None, "default", "max-autotune-no-cudagraphs"):
+            raise InputError(f"compile mode {options['mode']!r} makes torch.compile capture CUDA graphs of its "
+                             f"own, inside ours; use mode 'default' or 'max-autotune-no-cudagraphs'")
+        if isinstance(pad_value, dict) and not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in pad_value.values()):
+            raise InputError(f"pad_value values must be numbers, got {pad_value!r}")
         self.fn = fn
-        self._call = torch.compile(fn, **(compile if isinstance(compile, dict) else {})) if compile else fn
+        if compile is not False:
+            try:
+                self._call = torch.compile(fn, **options)
+            except TypeError as exc:
+                raise InputError(f"compile={compile!r}: torch.compile rejected it: {exc}") from exc
+        else:
+            self._call = fn
         self.warmup = warmup
         self.validate = validate
         self.validate_replays = validate_replays
@@ -615,16 +652,33 @@ class GraphRunner:
         return tuple(shape)
 
     def _pad_of(self, name: str) -> float:
-        if isinstance(self.pad_value, dict):
-            return self.pad_value.get(name.split("[")[0], 0)
+        if isinstance(self.pad_value, dict):  # the leaf's own name first, then its argument's
+            return self.pad_value.get(name, self.pad_value.get(name.split("[")[0], 0))
         return self.pad_value
+
+    def _check_pad_names(self, names: list[str]) -> None:
+        if not isinstance(self.pad_value, dict):
+            return
+        known = set(names) | {n.split("[")[0] for n in names}
+        unknown = sorted(set(self.pad_value) - known)
+        if unknown:
+            raise InputError(f"pad_value names {unknown}, which are not arguments of this call; the tensor "
+                             f"arguments are {names}")
+
+    def _check_bucketed_lengths(self, named: list) -> None:
+        for dim in self.buckets:
+            sizes = {n: t.shape[dim] for n, t in named if t.dim() > dim}
+            if len(set(sizes.values())) > 1:
+                raise InputError(
+                    f"buckets={{{dim}: ...}} pads every tensor argument with more than {dim} dimensions along "
+                    f"dim {dim}, and these differ there: {sizes}. Padding and cutting the outputs back need "
+                    f"one length per dim; bucket a dim that all arguments share (e.g. the sequence length)")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = self._leaves(args, kwargs)
         # Replay is the hot path: a call whose argument kinds, dtypes, ranks, devices and values equal
         # an already accepted call skips the full check (it would pass) and its error formatting.
-        quick = tuple((type(leaf), leaf.dtype, leaf.dim(), leaf.device) if isinstance(leaf, torch.Tensor)
-                      else (type(leaf), leaf) for _, leaf in leaves)
+        quick = _call_pattern(leaves)
         if not any(_same_value(quick, seen) for seen in self._accepted):
             specs = [ArgSpec.of(n, leaf) for n, leaf in leaves]
             check_inputs(specs, self._spec, strict=self.strict)
@@ -634,7 +688,11 @@ class GraphRunner:
             if self._spec is None:
                 self._spec = specs
             self._accepted.append(quick)
+            named_all = [n for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
+            self._check_pad_names(named_all)
         named = [(n, leaf) for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if self.buckets:
+            self._check_bucketed_lengths(named)
         targets = [self._target_shape(t) for _, t in named] if self.buckets else [tuple(t.shape) for _, t in named]
         if any(tg is None for tg in targets):
             return self._fallback(args, kwargs, named)
@@ -709,12 +767,15 @@ class GraphRunner:
         the smaller graphs reuse its blocks. The example is padded (or cut) to each bucket size, so its
         values only serve warm-up and validation.
 
+        With ``validate=True`` the example is then replayed once, padded, and compared with an eager
+        call at its own shape, as a capture from ``__call__`` would check it.
+
         Returns:
             :attr:`stats` after the captures.
 
         Raises:
             InputError: no ``buckets`` were given; as for ``__call__``.
-            CaptureError: as for ``__call__``.
+            CaptureError: as for ``__call__``; ``cause="padding"`` when padding changes the result.
         """
         if not self.buckets:
             raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
@@ -737,7 +798,23 @@ class GraphRunner:
                 return t
 
             self(*tree_map(resize, args), **tree_map(resize, kwargs))
+        if self.validate:
+            self._check_example_padding(args, kwargs)
         return self.stats
+
+    def _check_example_padding(self, args: tuple, kwargs: dict) -> None:
+        """capture_buckets captures at exact bucket sizes, where capture's own padding check has nothing
+        to compare; so replay the caller's example, padded, once against eager at its own shape."""
+        named = [(n, leaf) for n, leaf in self._leaves(args, kwargs) if isinstance(leaf, torch.Tensor)]
+        targets = [self._target_shape(t) for _, t in named]
+        if any(tg is None for tg in targets) or all(tuple(t.shape) == tg for (_, t), tg in zip(named, targets, strict=True)):
+            return
+        key = tuple((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True))
+        entry = self._graphs[key]
+        for buf, (name, t) in zip(entry.static_inputs, named, strict=True):
+            _copy_padded(buf, t, self._pad_of(name))
+        entry.graph.replay()
+        self._check_padding(entry.static_output, args, kwargs, named, targets, self._rtol_for(entry.static_output))
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list[tuple[str, Any]],
                  named: list[tuple[str, torch.Tensor]], targets: list[tuple[int, ...]]) -> _Graph:
@@ -797,7 +874,13 @@ class GraphRunner:
                        rtol: float) -> None:
         with torch.no_grad():
             expected = self._call(*args, **kwargs)
-        rel = max_rel_error(self._sliced(static_out, named, targets), expected)
+        try:
+            rel = max_rel_error(self._sliced(static_out, named, targets), expected)
+        except InputError as exc:  # an output whose shape padding changed in a way slicing cannot undo
+            raise CaptureError(
+                f"padding to the bucket changed the outputs' shapes beyond what cutting dim(s) "
+                f"{sorted(self.buckets)} back restores ({exc}); use buckets only for dims that outputs keep "
+                f"or drop as a whole", cause="padding") from exc
         if not rel <= rtol:
             raise CaptureError(
                 f"padding to the bucket changed the result on the real positions: max relative error "
@@ -805,6 +888,13 @@ class GraphRunner:
                 f"reads the padded positions (for attention: pass an attention mask, padded with 0, "
                 f"e.g. pad_value={{'attention_mask': 0}}), or its output is not cut at the bucketed dim; "
                 f"use buckets only for dims that padding leaves alone.", max_rel_error=rel, cause="padding")
+
+
+def _call_pattern(leaves: list[tuple[str, Any]]) -> tuple:
+    """What makes two calls equivalent for the input check: each argument's name and kind, and for
+    tensors dtype, rank and device (shapes pick the graph; they are not part of the check)."""
+    return tuple((n, type(leaf), leaf.dtype, leaf.dim(), leaf.device) if isinstance(leaf, torch.Tensor)
+                 else (n, type(leaf), leaf) for n, leaf in leaves)
 
 
 def _copy_padded(buf: torch.Tensor, t: torch.Tensor, pad: float) -> None:

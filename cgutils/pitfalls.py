@@ -356,7 +356,7 @@ def _manual_capture(fn: Callable[[], Any], *, on_default_stream: bool = False) -
     g = torch.cuda.CUDAGraph()
     try:
         if on_default_stream:
-            g.capture_begin()  # <- pitfall: on the current stream, which is the legacy default stream here
+            g.capture_begin()  # on the current stream: PyTorch's default stream unless the caller set another
             try:
                 out = fn()
             finally:
@@ -406,7 +406,7 @@ def _cudnn_benchmark_check(p: Pitfall, x: torch.Tensor) -> dict:
 
 
 def _default_stream(x):
-    return lambda: x * 2
+    return lambda: x * 2  # <- pitfall: captured with capture_begin() on the current stream, the default one
 
 
 def _default_stream_check(p: Pitfall, x: torch.Tensor) -> dict:
@@ -452,8 +452,9 @@ PITFALLS: dict[str, Pitfall] = {p.key: p for p in [
             _cudnn_benchmark_check, "warm up with the real shapes before capture so autotuning runs eagerly",
             None, {}),
     Pitfall("default_stream", "capture_begin on the default stream", "loud", _default_stream, _default_stream_check,
-            "use torch.cuda.graph (it captures on a side stream) or capture inside torch.cuda.stream(s); "
-            "CUDA cannot capture the legacy default stream (cudaStreamBeginCapture)", None, {}),
+            "capture on a side stream anyway: torch.cuda.graph does, or wrap capture_begin/capture_end in "
+            "torch.cuda.stream(s). The CUDA Runtime API (cudaStreamBeginCapture) says capture may not begin on "
+            "cudaStreamLegacy; this torch accepted capture_begin() on its default stream (recorded outcome)", None, {}),
 ]}
 
 
@@ -525,18 +526,30 @@ def catalogue_table(keys: list[str] | None = None, progress: bool = True):
 
 
 def markdown_table(df) -> str:
-    """The catalogue as a Markdown table (docs/pitfalls.md) from a recorded ``catalogue_table``."""
+    """The catalogue as a Markdown table (docs/pitfalls.md) from a recorded ``catalogue_table``.
+
+    Outcomes (exception, message, cause, op, line) come from the recording; titles and fixes, which are
+    documentation rather than measurements, from the current catalogue.
+    """
+    import re
+
     lines = ["| # | pitfall | kind | what happens (recorded) | cgutils diagnosis | fix |",
              "|---|---|---|---|---|---|"]
     text = [c for c in ("exception", "cause", "op", "original", "message") if c in df]
     df = df.astype({c: object for c in text}).fillna({c: "" for c in text})  # a CSV round trip leaves NaN
     for i, r in enumerate(df.itertuples(), 1):
+        entry = PITFALLS.get(r.key) if hasattr(r, "key") else None
+        title, fix = (entry.title, entry.fix) if entry else (r.title, r.fix)
         diag = r.exception or "no error"
         if getattr(r, "cause", ""):
             diag += f" (cause `{r.cause}`)"
         if getattr(r, "op", ""):
             diag += f": `{r.op}` at line {int(r.line)}"
-        happens = str(getattr(r, "original", "") or r.message).replace("|", "\\|")
-        kind = r.kind if r.exception or r.kind != "loud" else "loud elsewhere; no error here"
-        lines.append(f"| {i} | {r.title} | {kind} | {happens} | {diag} | {r.fix.replace('|', '/')} |")
+        err = re.search(r"max relative error ([0-9.e+-]+)", r.message or "")
+        if r.kind == "silent" and err:  # the silent outcome itself, not cgutils' report of it
+            happens = f"no error from PyTorch; the replay is wrong by a relative error of {err.group(1)} against eager"
+        else:
+            happens = str(getattr(r, "original", "") or r.message)
+        kind = r.kind if r.exception or r.kind != "loud" else "loud per the CUDA docs; no error here"
+        lines.append(f"| {i} | {title} | {kind} | {happens.replace('|', '/')} | {diag} | {fix.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -414,8 +414,12 @@ def recorded_cell(line: str, cell: str) -> None:
         sys.stdout = old_stdout
         del pub.publish  # drop the instance attribute: the class's method shows through again
     missing = [v for v, _ in targets if v not in shell.user_ns]
-    if missing:
+    if missing and failure is None:
         raise InputError(f"--save names {missing}, which the cell did not define")
+    if failure is not None:
+        targets = [(v, n) for v, n in targets if v in shell.user_ns]  # the failure is the point: keep it
+    elif args.raises:
+        print("note: this --raises cell did not raise", file=sys.stderr)
     store = live_store()
     prov = store.write_meta()
     saved = [str(store.save_value(name, shell.user_ns[var], prov).relative_to(store.path)) for var, name in targets]

@@ -301,3 +301,76 @@ def test_one_user_call_that_syncs_many_times_is_one_sync_point():
     inner_syncs()
     assert [p.op for p in rec.points] == ["Tensor.__repr__", "Tensor.item", "torch.cuda.synchronize",
                                           "torch.cuda.synchronize"]
+
+
+# --- review findings (helper walkthrough), each failed before its fix ---------------------------------
+
+def test_call_pattern_includes_argument_names():
+    """The fast path skipped the input check for input_ids+token_type_ids after input_ids+attention_mask,
+    and the token types were copied into the attention-mask buffer."""
+    from cgutils.capture import _call_pattern
+
+    ids, m = torch.ones(1, 4), torch.ones(1, 4)
+    a = _call_pattern([("input_ids", ids), ("attention_mask", m)])
+    b = _call_pattern([("input_ids", ids), ("token_type_ids", m)])
+    assert a != b and a == _call_pattern([("input_ids", ids), ("attention_mask", m)])
+
+
+def test_reordered_keyword_arguments_are_named_as_such():
+    from cgutils.capture import ArgSpec, check_inputs
+
+    cuda = torch.device("cuda")
+    first = [ArgSpec("a", True, torch.float32, 2, cuda), ArgSpec("b", True, torch.float32, 2, cuda)]
+    with pytest.raises(cg.InputError, match="another order"):
+        check_inputs(first[::-1], first)
+
+
+def test_non_tensor_outputs_are_compared():
+    assert cg.max_rel_error(999.0, 2.0) == float("inf")
+    assert cg.max_rel_error(("a", None, 1), ("a", None, 1)) == 0.0
+    assert cg.max_rel_error("a", "b") == float("inf")
+
+
+def test_validate_replay_rejects_unusable_inputs():
+    from cgutils.capture import validate_replay
+
+    with pytest.raises(cg.InputError, match="argument tuples"):
+        validate_replay(lambda v: v, lambda v: v, [torch.ones(1), torch.zeros(1)])
+    with pytest.raises(cg.InputError, match="identical inputs"):
+        validate_replay(lambda v: v, lambda v: v, [(torch.ones(1),), (torch.ones(1),)])
+    with pytest.raises(cg.CaptureError):
+        validate_replay(lambda v: 999.0, lambda v: v * 2, [(1.0,), (2.0,), (3.0,)])
+
+
+def test_bucketed_arguments_must_agree_on_the_bucketed_length():
+    runner = cg.GraphRunner(lambda a, b: a, buckets={1: (8,)})
+    with pytest.raises(cg.InputError, match="differ there"):
+        runner._check_bucketed_lengths([("a", torch.zeros(1, 5)), ("b", torch.zeros(1, 3))])
+    runner._check_bucketed_lengths([("a", torch.zeros(1, 5)), ("b", torch.zeros(1, 5, 2)), ("c", torch.zeros(7))])
+
+
+def test_pad_value_names_and_values_are_checked():
+    with pytest.raises(cg.InputError, match="numbers"):
+        cg.GraphRunner(lambda x: x, pad_value={"x": "a"})
+    runner = cg.GraphRunner(lambda x, m: x, buckets={1: (8,)}, pad_value={"attention_masks": 0, "x": -1})
+    with pytest.raises(cg.InputError, match="attention_masks"):
+        runner._check_pad_names(["x", "m"])
+    assert runner._pad_of("x") == -1 and runner._pad_of("m") == 0
+    nested = cg.GraphRunner(lambda batch: batch, pad_value={"batch['mask']": 0, "batch": 5})
+    assert nested._pad_of("batch['mask']") == 0 and nested._pad_of("batch['ids']") == 5
+
+
+def test_compile_options_are_checked():
+    with pytest.raises(cg.InputError, match="CUDA graphs of its own"):
+        cg.GraphRunner(lambda x: x, compile={"mode": "reduce-overhead"})
+    with pytest.raises(cg.InputError, match="torch.compile rejected"):
+        cg.GraphRunner(lambda x: x, compile={"bogus": 1})
+    runner = cg.GraphRunner(lambda x: x, compile={})  # an empty dict still means: compile
+    assert runner._call is not runner.fn
+
+
+@pytest.mark.parametrize("text", ["expected argument seed to be an int, got str",
+                                  "'Generator' object has no attribute 'x'"])
+def test_explain_does_not_blame_the_rng_for_any_mention_of_seed(text):
+    why = cg.explain(text)
+    assert why is None or why.key != "rng"

@@ -66,3 +66,12 @@ def test_recorded_catalogue_is_complete_and_explained():
     wrapped = df[df.original.fillna("") != ""]
     for r in wrapped.itertuples():  # the CUDA text under each CaptureError is recognised too
         assert explain(r.original) is not None, (r.key, r.original)
+
+
+def test_recorded_sync_lines_still_point_at_the_reproducers():
+    """docs/pitfalls.md quotes line numbers of cgutils/pitfalls.py from the recording: they must still hold."""
+    from cgutils.pitfalls import PITFALLS
+
+    df = _recorded_pitfalls()
+    for r in df[df.cause == "sync"].itertuples():
+        assert int(r.line) == PITFALLS[r.key].marked_line, r.key

@@ -210,6 +210,9 @@ def test_raising_cell_is_recorded_and_raises_in_both_modes(tmp_results, shell, m
     assert "before" in capsys.readouterr().out
     rec = store.load_cell("01_demo", "boom")
     assert rec["error"]["ename"] == "RuntimeError" and "not permitted" in rec["error"]["evalue"]
+    # a failing --raises cell that never defined its --save variable still shows its own error
+    with pytest.raises(ValueError, match="the real one"):
+        recorded.recorded_cell(" boom2 --raises --save never", "raise ValueError('the real one')")
 
     monkeypatch.setenv("CGUTILS_MODE", "recorded")
     monkeypatch.setattr(env, "cuda_available", lambda: False)
