@@ -170,6 +170,13 @@ def check_inputs(specs: list[ArgSpec], reference: list[ArgSpec] | None, *, stric
                 f"reshape it, or pass strict=False to capture another graph for this rank")
 
 
+def _is_plain(x: Any) -> bool:
+    """A value with a meaningful ``==``: numbers, strings, None, torch dtypes/devices/sizes, numpy data."""
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)):
+        return True
+    return type(x).__module__ == "numpy"
+
+
 def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True  # the same NaN passed twice is the same value
@@ -265,8 +272,9 @@ def _default_rtol(dtypes: set[torch.dtype]) -> float:
 def max_rel_error(actual: Any, expected: Any) -> float:
     """Largest relative error between two nests of tensors: ``max|a-e| / max|e|`` per leaf.
 
-    Integer and bool leaves count 0.0 when equal and ``inf`` otherwise; so do non-tensor leaves (Python
-    numbers, strings, None, arrays). NaN or infinity where the other side has none (or another value)
+    Integer and bool leaves count 0.0 when equal and ``inf`` otherwise; so do plain non-tensor leaves
+    (numbers, strings, bytes, None, dtypes, devices, sizes, numpy arrays). Other objects (a model's
+    cache object, say) are not compared. NaN or infinity where the other side has none (or another value)
     counts ``inf``: a replay that produces NaN never passes.
 
     Raises:
@@ -278,8 +286,10 @@ def max_rel_error(actual: Any, expected: Any) -> float:
     worst = 0.0
     for (path, a), (_, e) in zip(a_leaves, e_leaves, strict=True):
         if not isinstance(a, torch.Tensor) and not isinstance(e, torch.Tensor):
-            if not _same_value(a, e):
-                return float("inf")  # a non-tensor output that differs is as wrong as a tensor that does
+            # Plain values must match; other objects (a transformers cache, a module) compare by
+            # identity, so two correct calls would never agree: they are skipped, as before.
+            if _is_plain(a) and _is_plain(e) and not _same_value(a, e):
+                return float("inf")
             continue
         if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)):
             raise InputError(f"{path}: cannot compare {type(a).__name__} with {type(e).__name__}; "
@@ -345,7 +355,7 @@ def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], input
     if len(inputs) < 2:
         raise InputError("validate_replay needs at least two inputs with different values; with one, "
                          "stale inputs and overwritten outputs cannot show")
-    if all(max_rel_error(args, inputs[0]) == 0 for args in inputs[1:]):
+    if all(_identical(args, inputs[0]) for args in inputs[1:]):
         raise InputError("validate_replay got identical inputs; stale inputs and overwritten outputs only show "
                          "with different values (e.g. torch.randn_like for each)")
     held = [replay(*args) for args in inputs]
@@ -381,6 +391,13 @@ def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], input
     raise CaptureError(f"replay differs from eager on input {i} of {len(inputs)} (max relative error "
                        f"{errors[i]:.3g} > rtol {tol:.3g}); {len(bad)} of {len(inputs)} inputs wrong. "
                        f"Likely cause: {why}.", max_rel_error=errors[i], cause=cause)
+
+
+def _identical(a: tuple, b: tuple) -> bool:
+    try:
+        return max_rel_error(a, b) == 0
+    except InputError:  # other shapes or structure: certainly not identical
+        return False
 
 
 def pool_reserved_bytes(pool: Any) -> int:
@@ -585,9 +602,11 @@ class GraphRunner:
         if compile is not False and not isinstance(compile, (bool, dict)):
             raise InputError(f"compile must be True, False or a dict of torch.compile arguments, got {compile!r}")
         options = compile if isinstance(compile, dict) else {}
-        if options.get("mode") not in (None, "default", "max-autotune-no-cudagraphs"):
-            raise InputError(f"compile mode {options['mode']!r} makes torch.compile capture CUDA graphs of its "
-                             f"own, inside ours; use mode 'default' or 'max-autotune-no-cudagraphs'")
+        inductor = options.get("options") or {}
+        if options.get("mode") not in (None, "default", "max-autotune-no-cudagraphs") or (
+                isinstance(inductor, dict) and inductor.get("triton.cudagraphs")):
+            raise InputError(f"compile={compile!r} makes torch.compile capture CUDA graphs of its own, inside "
+                             f"ours; use mode 'default' or 'max-autotune-no-cudagraphs' without triton.cudagraphs")
         if isinstance(pad_value, dict) and not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in pad_value.values()):
             raise InputError(f"pad_value values must be numbers, got {pad_value!r}")
@@ -595,7 +614,7 @@ class GraphRunner:
         if compile is not False:
             try:
                 self._call = torch.compile(fn, **options)
-            except TypeError as exc:
+            except (TypeError, RuntimeError) as exc:
                 raise InputError(f"compile={compile!r}: torch.compile rejected it: {exc}") from exc
         else:
             self._call = fn
@@ -685,11 +704,12 @@ class GraphRunner:
             if not torch.cuda.is_available():
                 raise NoCudaError("GraphRunner needs a CUDA device and none is visible "
                                   "(torch.cuda.is_available() is False); call the model eagerly instead")
+            self._check_pad_names([n for n, leaf in leaves if isinstance(leaf, torch.Tensor)])
             if self._spec is None:
                 self._spec = specs
-            self._accepted.append(quick)
-            named_all = [n for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
-            self._check_pad_names(named_all)
+            if len(self._accepted) >= 64:  # a bounded memo, not a record: forget the oldest pattern
+                self._accepted.pop(0)
+            self._accepted.append(quick)  # last: a call that failed a check is never accepted
         named = [(n, leaf) for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
         if self.buckets:
             self._check_bucketed_lengths(named)
@@ -781,6 +801,8 @@ class GraphRunner:
             raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
         import itertools
 
+        self._check_bucketed_lengths([(n, t) for n, t in self._leaves(args, kwargs) if isinstance(t, torch.Tensor)])
+
         dims = sorted(self.buckets)
         combos = sorted(itertools.product(*(self.buckets[d] for d in dims)), reverse=True)
         for combo in combos:
@@ -814,7 +836,8 @@ class GraphRunner:
         for buf, (name, t) in zip(entry.static_inputs, named, strict=True):
             _copy_padded(buf, t, self._pad_of(name))
         entry.graph.replay()
-        self._check_padding(entry.static_output, args, kwargs, named, targets, self._rtol_for(entry.static_output))
+        rtol = self._rtol_for(entry.static_output, {t.dtype for _, t in named})
+        self._check_padding(entry.static_output, args, kwargs, named, targets, rtol)
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list[tuple[str, Any]],
                  named: list[tuple[str, torch.Tensor]], targets: list[tuple[int, ...]]) -> _Graph:
@@ -824,9 +847,7 @@ class GraphRunner:
             buf = torch.empty(tg, dtype=t.dtype, device=t.device)
             _copy_padded(buf, t.detach(), self._pad_of(name))
             static_inputs.append(buf)
-        swap = {id(t): s for (_, t), s in zip(named, static_inputs, strict=True)}
-        s_args = tree_map(lambda t: swap.get(id(t), t), args)
-        s_kwargs = tree_map(lambda t: swap.get(id(t), t), kwargs)
+        s_args, s_kwargs = _substitute(self._names[(len(args), tuple(kwargs))], args, kwargs, static_inputs)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -890,11 +911,34 @@ class GraphRunner:
                 f"use buckets only for dims that padding leaves alone.", max_rel_error=rel, cause="padding")
 
 
+def _substitute(names: list, args: tuple, kwargs: dict, static_inputs: list) -> tuple[tuple, dict]:
+    """The call's arguments with every tensor replaced by its static buffer, in the order the buffers
+    were made (parameter by parameter, as ``_leaves`` lists them). By position, not by tensor
+    identity: ``runner(x, x)`` must give the graph two buffers, or a later ``runner(p, q)`` would
+    compute ``f(q, q)``."""
+    buffers = iter(static_inputs)
+    s_args, s_kwargs = list(args), dict(kwargs)
+    for _, (kind, k) in names:
+        target = s_args if kind == "a" else s_kwargs
+        target[k] = tree_map(lambda _t: next(buffers), target[k])
+    return tuple(s_args), s_kwargs
+
+
 def _call_pattern(leaves: list[tuple[str, Any]]) -> tuple:
     """What makes two calls equivalent for the input check: each argument's name and kind, and for
     tensors dtype, rank and device (shapes pick the graph; they are not part of the check)."""
     return tuple((n, type(leaf), leaf.dtype, leaf.dim(), leaf.device) if isinstance(leaf, torch.Tensor)
-                 else (n, type(leaf), leaf) for n, leaf in leaves)
+                 else (n, type(leaf), _pattern_value(leaf)) for n, leaf in leaves)
+
+
+def _pattern_value(v: Any) -> Any:
+    # NaN never equals itself and arrays compare elementwise: give both a form that == handles, so a
+    # repeated call with such a value is recognised instead of piling up new patterns.
+    if isinstance(v, float) and math.isnan(v):
+        return ("nan",)
+    if type(v).__module__ == "numpy" and hasattr(v, "tobytes"):
+        return ("numpy", str(getattr(v, "dtype", "")), getattr(v, "shape", ()), v.tobytes())
+    return v
 
 
 def _copy_padded(buf: torch.Tensor, t: torch.Tensor, pad: float) -> None:

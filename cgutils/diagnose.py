@@ -57,8 +57,8 @@ _RULES: list[tuple[str, str, str, str]] = [
      "cannot record",
      "capture on a side stream: use torch.cuda.graph(g) (it switches to one) or "
      "`with torch.cuda.stream(torch.cuda.Stream()):` around capture_begin/capture_end"),
-    ("rng", r"CPU generator|generator.{0,40}(captur|graph|regist)|philox|offset increment|"
-            r"register_generator_state|graphsafe",
+    ("rng", r"CPU generator|generator.{0,80}(captur|graph|regist)|philox|offset increment|"
+            r"register_generator_state|graphsafe|set_current_seed",
      "a random-number generator was used in a way the graph cannot replay (a CPU generator, or a "
      "CUDA generator that was not registered with the graph)",
      "call model.eval() so dropout is off; for intentional randomness use the default CUDA "

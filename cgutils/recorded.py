@@ -384,7 +384,11 @@ def recorded_cell(line: str, cell: str) -> None:
             else:
                 publish_display_data(ev["data"], ev.get("metadata") or {})
         sys.stdout.flush()
+        saved = rec.get("saved")
         for var, name in targets:
+            # a failed --raises run saved only what it defined before failing
+            if rec.get("error") and saved is not None and not any(Path(p).stem == Path(name).name for p in saved):
+                continue
             shell.user_ns[var] = store.load_value(name)
         if rec.get("error"):
             err = rec["error"]

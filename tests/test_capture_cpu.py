@@ -374,3 +374,55 @@ def test_compile_options_are_checked():
 def test_explain_does_not_blame_the_rng_for_any_mention_of_seed(text):
     why = cg.explain(text)
     assert why is None or why.key != "rng"
+
+
+# --- second review (helper), each failed before its fix -----------------------------------------------
+
+def test_objects_without_value_equality_are_not_compared():
+    """A transformers cache object in the outputs made every capture fail validation (inf)."""
+    class Cache:  # compares by identity, like DynamicCache
+        pass
+
+    assert cg.max_rel_error((torch.ones(2), Cache()), (torch.ones(2), Cache())) == 0.0
+    assert cg.max_rel_error((torch.ones(2), 3), (torch.ones(2), 4)) == float("inf")
+
+
+def test_validate_replay_accepts_inputs_of_different_shapes():
+    from cgutils.capture import validate_replay
+
+    inputs = [(torch.ones(1, 100),), (torch.ones(1, 120),)]
+    assert list(validate_replay(lambda t: t * 2, lambda t: t * 2, inputs).max_rel_error) == [0.0, 0.0]
+
+
+def test_call_patterns_recognise_nan_and_arrays():
+    import numpy as np
+
+    from cgutils.capture import _call_pattern
+
+    assert _call_pattern([("x", float("nan"))]) == _call_pattern([("x", float("nan"))])
+    assert _call_pattern([("a", np.arange(3))]) == _call_pattern([("a", np.arange(3))])
+    assert _call_pattern([("a", np.arange(3))]) != _call_pattern([("a", np.arange(4))])
+
+
+def test_the_same_tensor_twice_gets_two_static_buffers():
+    """Buffers were swapped in by tensor identity: runner(x, x) captured f(b1, b1), so a later
+    runner(p, q) computed f(q, q)."""
+    from cgutils.capture import _param_names, _substitute
+
+    def f(a, b, *, c=None):
+        return a
+
+    x, y = torch.ones(1), torch.zeros(1)
+    bufs = [torch.full((1,), float(i)) for i in range(3)]
+    s_args, s_kwargs = _substitute(_param_names(f, 2, ("c",)), (x, x), {"c": [y]}, bufs)
+    assert s_args[0] is bufs[0] and s_args[1] is bufs[1] and s_kwargs["c"][0] is bufs[2]
+
+
+def test_inductor_cudagraphs_option_is_refused():
+    with pytest.raises(cg.InputError, match="CUDA graphs of its own"):
+        cg.GraphRunner(lambda x: x, compile={"options": {"triton.cudagraphs": True}})
+
+
+def test_explain_recognises_manual_seed_during_capture():
+    text = "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if the generator is"
+    assert cg.explain(text).key == "rng"

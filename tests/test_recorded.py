@@ -219,6 +219,8 @@ def test_raising_cell_is_recorded_and_raises_in_both_modes(tmp_results, shell, m
     monkeypatch.setattr("IPython.display.publish_display_data", lambda data, metadata=None: None)
     with pytest.raises(cg.errors.RecordedCellError, match="RuntimeError: CUDA error: operation not permitted"):
         recorded.recorded_cell(" boom --raises", body)
+    with pytest.raises(cg.errors.RecordedCellError, match="the real one"):  # its --save was never written
+        recorded.recorded_cell(" boom2 --raises --save never", "raise ValueError('the real one')")
     assert "before" in capsys.readouterr().out
     # without --raises an exception propagates and nothing is recorded
     monkeypatch.setenv("CGUTILS_MODE", "live")
