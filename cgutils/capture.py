@@ -695,6 +695,7 @@ class GraphRunner:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves = self._leaves(args, kwargs)
+        named = [(n, leaf) for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
         # Replay is the hot path: a call whose argument kinds, dtypes, ranks, devices and values equal
         # an already accepted call skips the full check (it would pass) and its error formatting.
         quick = _call_pattern(leaves)
@@ -704,13 +705,12 @@ class GraphRunner:
             if not torch.cuda.is_available():
                 raise NoCudaError("GraphRunner needs a CUDA device and none is visible "
                                   "(torch.cuda.is_available() is False); call the model eagerly instead")
-            self._check_pad_names([n for n, leaf in leaves if isinstance(leaf, torch.Tensor)])
+            self._check_pad_names([n for n, _ in named])
             if self._spec is None:
                 self._spec = specs
             if len(self._accepted) >= 64:  # a bounded memo, not a record: forget the oldest pattern
                 self._accepted.pop(0)
             self._accepted.append(quick)  # last: a call that failed a check is never accepted
-        named = [(n, leaf) for n, leaf in leaves if isinstance(leaf, torch.Tensor)]
         if self.buckets:
             self._check_bucketed_lengths(named)
         targets = [self._target_shape(t) for _, t in named] if self.buckets else [tuple(t.shape) for _, t in named]
@@ -722,8 +722,7 @@ class GraphRunner:
             entry = self._capture(args, kwargs, leaves, named, targets)
             self._graphs[key] = entry
         else:
-            for buf, (name, t) in zip(entry.static_inputs, named, strict=True):
-                _copy_padded(buf, t, self._pad_of(name))
+            self._load(entry, named)
         entry.graph.replay()
         entry.info.replays += 1
         self._replays += 1
@@ -733,6 +732,11 @@ class GraphRunner:
         if self.clone_outputs:
             return tree_map(torch.clone, out)
         return out
+
+    def _load(self, entry: _Graph, named: list) -> None:
+        """Copy this call's tensors into the graph's static inputs, padded up to the bucket."""
+        for buf, (name, t) in zip(entry.static_inputs, named, strict=True):
+            _copy_padded(buf, t, self._pad_of(name))
 
     def _sliced(self, out: Any, named: list, targets: list) -> Any:
         """Cut the padding off the outputs: along each bucketed dim, a leaf whose size equals the bucket
@@ -831,13 +835,11 @@ class GraphRunner:
         targets = [self._target_shape(t) for _, t in named]
         if any(tg is None for tg in targets) or all(tuple(t.shape) == tg for (_, t), tg in zip(named, targets, strict=True)):
             return
-        key = tuple((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True))
-        entry = self._graphs[key]
-        for buf, (name, t) in zip(entry.static_inputs, named, strict=True):
-            _copy_padded(buf, t, self._pad_of(name))
+        entry = self._graphs[tuple((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True))]
+        self._load(entry, named)
         entry.graph.replay()
         rtol = self._rtol_for(entry.static_output, {t.dtype for _, t in named})
-        self._check_padding(entry.static_output, args, kwargs, named, targets, rtol)
+        self._check_padding(self._sliced(entry.static_output, named, targets), args, kwargs, rtol)
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list[tuple[str, Any]],
                  named: list[tuple[str, torch.Tensor]], targets: list[tuple[int, ...]]) -> _Graph:
@@ -877,7 +879,7 @@ class GraphRunner:
                     f"capture). Call model.eval(), keep control flow on the GPU (torch.where), or raise "
                     f"rtol if the difference is numerical noise.", max_rel_error=rel, cause="baked_value")
             if any(tuple(t.shape) != tg for (_, t), tg in zip(named, targets, strict=True)):
-                self._check_padding(static_out, args, kwargs, named, targets, rtol)
+                self._check_padding(self._sliced(static_out, named, targets), args, kwargs, rtol)
 
         out_bytes = sum(t.numel() * t.element_size() for _, t in tree_leaves(static_out)
                         if isinstance(t, torch.Tensor))
@@ -891,12 +893,12 @@ class GraphRunner:
         # __call__'s replay below just recomputes the same answer: cheap, and keeps one code path.
         return _Graph(graph, static_inputs, static_out, info)
 
-    def _check_padding(self, static_out: Any, args: tuple, kwargs: dict, named: list, targets: list,
-                       rtol: float) -> None:
+    def _check_padding(self, replayed: Any, args: tuple, kwargs: dict, rtol: float) -> None:
+        """Compare a padded replay, already cut back (``_sliced``), with eager at the caller's shapes."""
         with torch.no_grad():
             expected = self._call(*args, **kwargs)
         try:
-            rel = max_rel_error(self._sliced(static_out, named, targets), expected)
+            rel = max_rel_error(replayed, expected)
         except InputError as exc:  # an output whose shape padding changed in a way slicing cannot undo
             raise CaptureError(
                 f"padding to the bucket changed the outputs' shapes beyond what cutting dim(s) "

@@ -168,13 +168,19 @@ def _sync_entry(key: str, title: str, bad: Callable, op: str) -> Pitfall:
 # --- silent and static-buffer entries ------------------------------------------------------------
 
 
-def _rebind_input(x):
-    """Manual graph y = 2x; each call rebinds the name instead of copying into the static input."""
+def _doubling_graph(x):
+    """A hand-written graph of y = 2x: returns its static input, the graph and its static output."""
     static_x = x.clone()
     g = torch.cuda.CUDAGraph()
     _warm(lambda: static_x * 2)
     with torch.cuda.graph(g):
         static_y = static_x * 2
+    return static_x, g, static_y
+
+
+def _rebind_input(x):
+    """Manual graph y = 2x; each call rebinds the name instead of copying into the static input."""
+    static_x, g, static_y = _doubling_graph(x)
 
     def graphed(new_x):
         static_x = new_x  # <- pitfall  # noqa: F841 (the bug: a new name binding, the graph never sees it)
@@ -188,11 +194,7 @@ def _rebind_input(x):
 
 
 def _rebind_input_fixed(x):
-    static_x = x.clone()
-    g = torch.cuda.CUDAGraph()
-    _warm(lambda: static_x * 2)
-    with torch.cuda.graph(g):
-        static_y = static_x * 2
+    static_x, g, static_y = _doubling_graph(x)
 
     def graphed(new_x):
         static_x.copy_(new_x)
@@ -239,9 +241,7 @@ def _static_runner_check(p: Pitfall, x: torch.Tensor) -> dict:
     except CgutilsError as exc:
         return _row(exc)
     except Exception as exc:  # capture itself refused it: record the raw error and its explanation
-        reset_rng_after_failed_capture()
-        why = explain(exc)
-        return _row(exc, cause=why.key if why else "", explanation=str(why or ""))
+        return _raw_failure(exc)
     return _row(None, message="no error")
 
 
@@ -351,6 +351,13 @@ def _warm(fn: Callable[[], Any]) -> None:
     torch.cuda.synchronize()
 
 
+def _raw_failure(exc: BaseException) -> dict:
+    """The row for a capture that raised outside cgutils: the raw error and what explain() makes of it."""
+    reset_rng_after_failed_capture()  # else every later random op fails ("Offset increment ...")
+    why = explain(exc)
+    return _row(exc, cause=why.key if why else "", explanation=str(why or ""))
+
+
 def _manual_capture(fn: Callable[[], Any], *, on_default_stream: bool = False) -> dict:
     """Capture ``fn`` with no warm-up and report what happened (error explained, or replay vs eager)."""
     g = torch.cuda.CUDAGraph()
@@ -368,9 +375,7 @@ def _manual_capture(fn: Callable[[], Any], *, on_default_stream: bool = False) -
         torch.cuda.synchronize()
         err = max_rel_error(out, fn())
     except Exception as exc:  # the raw CUDA/PyTorch error is the observation here
-        reset_rng_after_failed_capture()  # else every later random op fails ("Offset increment ...")
-        why = explain(exc)
-        return _row(exc, cause=why.key if why else "", explanation=str(why or ""))
+        return _raw_failure(exc)
     return _row(None, message=f"no error; replay vs eager max relative error {err:.3g}", max_rel_error=err)
 
 

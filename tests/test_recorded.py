@@ -97,8 +97,9 @@ def _run_magic(shell, line, body, capsys):
     return capsys.readouterr().out
 
 
-def test_magic_records_live_and_replays_recorded(tmp_results, tmp_path, shell, monkeypatch, capsys):
-    """Simulate a GPU: record a cell live, then replay it in recorded mode; then change it (stale)."""
+@pytest.fixture
+def gpu_store(tmp_results, monkeypatch, capsys):
+    """Simulate a GPU that records: live mode, CGUTILS_RECORD=1, notebook 01_demo; yields the store."""
     store = ResultsStore("nvidia-h200", root=tmp_results)
     monkeypatch.setattr(recorded, "live_store", lambda: store)
     monkeypatch.setattr(env, "provenance", lambda: PROV)
@@ -108,6 +109,12 @@ def test_magic_records_live_and_replays_recorded(tmp_results, tmp_path, shell, m
     monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
     recorded.setup_notebook("01_demo")
     capsys.readouterr()
+    return store
+
+
+def test_magic_records_live_and_replays_recorded(gpu_store, tmp_path, shell, monkeypatch, capsys):
+    """Simulate a GPU: record a cell live, then replay it in recorded mode; then change it (stale)."""
+    store = gpu_store
 
     body = "import pandas as pd\nv = pd.DataFrame({'a': [1, 2]})\nprint('measured', len(v))\nint(v.a.sum())"
     out = _run_magic(shell, " demo --save v", body, capsys)
@@ -193,17 +200,9 @@ def test_check_recordings_needs_a_notebook_folder(tmp_results, tmp_path):
         check_recordings(tmp_path / "missing")
 
 
-def test_raising_cell_is_recorded_and_raises_in_both_modes(tmp_results, shell, monkeypatch, capsys):
+def test_raising_cell_is_recorded_and_raises_in_both_modes(gpu_store, shell, monkeypatch, capsys):
     """A --raises cell: live, the error is recorded and re-raised; recorded, the same error text comes back."""
-    store = ResultsStore("nvidia-h200", root=tmp_results)
-    monkeypatch.setattr(recorded, "live_store", lambda: store)
-    monkeypatch.setattr(env, "provenance", lambda: PROV)
-    monkeypatch.setenv("CGUTILS_RECORD", "1")
-    monkeypatch.setenv("CGUTILS_MODE", "live")
-    monkeypatch.setattr(env, "cuda_available", lambda: True)
-    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
-    recorded.setup_notebook("01_demo")
-    capsys.readouterr()
+    store = gpu_store
     body = "print('before')\nraise RuntimeError('CUDA error: operation not permitted when stream is capturing')"
     with pytest.raises(RuntimeError, match="not permitted"):
         recorded.recorded_cell(" boom --raises", body)
