@@ -1,4 +1,4 @@
-"""Command line: ``python -m cgutils {env, bench, record}``.
+"""Command line: ``python -m cgutils {env, bench, trace, record}``.
 
 * ``env``: device, mode and versions; the recordings available.
 * ``bench [speedup|overhead|methods|generation|memory|pitfalls]``: a benchmark suite. Measured on a CUDA GPU; without
@@ -78,13 +78,17 @@ def _print_suite(suite: str, frames: dict, source: str, prov: dict, markdown: bo
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
         for name, df in frames.items():
             print(f"\n{name}:")
+            if len(df) > 40 and not markdown:  # a per-step table: its head says what it holds
+                print(df.head(10).to_string(index=False))
+                print(f"... {len(df) - 10} more rows (--markdown prints all; the CSV is in results/)")
+                continue
             print(df.to_markdown(index=False) if markdown else df.to_string(index=False))
     if suite == "overhead":
         from .overhead import crossover, fit_per_launch
 
         fit = fit_per_launch(frames["overhead_chain"])
         print(f"\nper eager launch: {fit['eager_slope_us']:.2f} µs; per replayed graph node: "
-              f"{fit['replay_slope_us']:.2f} µs (least-squares slopes)")
+              f"{fit['replay_slope_us']:.2f} µs (least-squares slopes, weighted by 1/time)")
         print(f"kernel size where GPU time equals one eager launch: "
               f"{crossover(frames['overhead_size'], fit['eager_slope_us']):.3g} elements (fp32)")
     if suite == "methods":

@@ -343,7 +343,8 @@ def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], input
         InputError: fewer than two inputs.
         CaptureError: a replay output differs from eager; ``.cause`` is ``"overwritten_output"`` (every
             held output equals the last one, which was right when returned), ``"stale_input"`` (every
-            output equals the first: replay ignores new inputs) or ``"baked_value"``; the message
+            output equals the first: replay ignores new inputs), ``"nonfinite"`` (NaN/inf only in the
+            replay) or ``"baked_value"``; the message
             names the first wrong input and the fix.
     """
     import pandas as pd
@@ -372,7 +373,11 @@ def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], input
         return table
     same_as_last = all(max_rel_error(h, held[-1]) == 0 for h in held)
     same_as_first = all(max_rel_error(h, held[0]) == 0 for h in held)
-    if same_as_last and errors[-1] <= tol:
+    if not all(_finite(h) for h in held) and all(_finite(e) for e in expected):
+        cause, why = "nonfinite", (
+            "the replay produced NaN or inf where eager did not: it read memory that holds no valid "
+            "input (a freed or never-written static buffer) or computed something else than eager")
+    elif same_as_last and errors[-1] <= tol:
         cause, why = "overwritten_output", (
             "every output you kept equals the last one: the outputs are the graph's static output "
             "tensors, which each replay overwrites in place. Clone them before the next replay "
@@ -391,6 +396,11 @@ def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], input
     raise CaptureError(f"replay differs from eager on input {i} of {len(inputs)} (max relative error "
                        f"{errors[i]:.3g} > rtol {tol:.3g}); {len(bad)} of {len(inputs)} inputs wrong. "
                        f"Likely cause: {why}.", max_rel_error=errors[i], cause=cause)
+
+
+def _finite(out: Any) -> bool:
+    return all(bool(torch.isfinite(t).all()) for _, t in tree_leaves(out)
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 def _identical(a: tuple, b: tuple) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import NoCudaError
+from .errors import InputError, NoCudaError
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,12 @@ def explain(exc: BaseException | str) -> Explanation | None:
 
     Returns:
         The first matching :class:`Explanation`, or ``None`` when the text matches no known pattern.
+
+    Raises:
+        InputError: ``exc`` is neither an exception nor a string.
     """
+    if not isinstance(exc, (BaseException, str)):
+        raise InputError(f"explain takes an exception or its message, got {type(exc).__name__}")
     text = str(exc)
     seen = 0
     while isinstance(exc, BaseException) and seen < 10:  # the first failure is often in the chain

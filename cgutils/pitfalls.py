@@ -28,7 +28,7 @@ from .diagnose import explain
 from .errors import CaptureError, CgutilsError, InputError, NoCudaError
 
 MARK = "# <- pitfall"
-KINDS = ("loud", "silent", "cost")
+KINDS = ("loud", "silent", "cost", "documented")
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class Pitfall:
     Attributes:
         key: short name, e.g. ``item``.
         title: one line for the table.
-        kind: ``loud`` (capture raises), ``silent`` (replay returns a wrong value without an error) or
-            ``cost`` (works, but costs memory or time).
+        kind: ``loud`` (capture raises), ``silent`` (wrong replay, no error), ``cost`` (memory or time)
+            or ``documented`` (a documented rule whose outcome depends on the versions).
         bad: the reproducer: a function of one CUDA tensor ``x`` (float32, shape (4, 8)) unless
             ``diagnose`` says otherwise.
         diagnose: runs the reproducer through cgutils and returns the observed row (see :func:`run`).
@@ -444,8 +444,9 @@ PITFALLS: dict[str, Pitfall] = {p.key: p for p in [
             "make it a CUDA tensor (register_buffer) so replay reads its current value",
             ScaledFixed, {"exception": "CaptureError", "cause": "baked_value"}),
     Pitfall("dropout_train", "dropout in training mode (RNG)", "silent", DropoutNet, _dropout,
-            "model.eval() for inference; dropout itself is graph-safe (the default CUDA generator is "
-            "registered, each replay draws a new mask) but no longer matches one eager call",
+            "model.eval() for inference. The mask is not frozen: the default CUDA generator is registered, "
+            "so each replay draws a new one; cgutils reports baked_value because replay no longer matches "
+            "the eager call it is compared with",
             None, {"exception": "CaptureError", "cause": "baked_value", "warned": True}),
     Pitfall("new_shape", "a new input shape: one more graph and its memory", "cost", _new_shape_fn, _new_shape,
             "bucket the dynamic dim: GraphRunner(fn, buckets={1: (128, 256, 512)}) pads up and shares one pool",
@@ -456,7 +457,7 @@ PITFALLS: dict[str, Pitfall] = {p.key: p for p in [
     Pitfall("cudnn_benchmark", "cudnn.benchmark autotuning during capture", "loud", _cudnn_benchmark,
             _cudnn_benchmark_check, "warm up with the real shapes before capture so autotuning runs eagerly",
             None, {}),
-    Pitfall("default_stream", "capture_begin on the default stream", "loud", _default_stream, _default_stream_check,
+    Pitfall("default_stream", "capture_begin on the default stream", "documented", _default_stream, _default_stream_check,
             "capture on a side stream anyway: torch.cuda.graph does, or wrap capture_begin/capture_end in "
             "torch.cuda.stream(s). The CUDA Runtime API (cudaStreamBeginCapture) says capture may not begin on "
             "cudaStreamLegacy; this torch accepted capture_begin() on its default stream (recorded outcome)", None, {}),
@@ -533,8 +534,8 @@ def catalogue_table(keys: list[str] | None = None, progress: bool = True):
 def markdown_table(df) -> str:
     """The catalogue as a Markdown table (docs/pitfalls.md) from a recorded ``catalogue_table``.
 
-    Outcomes (exception, message, cause, op, line) come from the recording; titles and fixes, which are
-    documentation rather than measurements, from the current catalogue.
+    Outcomes (exception, message, cause, op, line) come from the recording; titles, kinds and fixes,
+    which are documentation rather than measurements, from the current catalogue.
     """
     import re
 
@@ -544,17 +545,16 @@ def markdown_table(df) -> str:
     df = df.astype({c: object for c in text}).fillna({c: "" for c in text})  # a CSV round trip leaves NaN
     for i, r in enumerate(df.itertuples(), 1):
         entry = PITFALLS.get(r.key) if hasattr(r, "key") else None
-        title, fix = (entry.title, entry.fix) if entry else (r.title, r.fix)
+        title, fix, kind = (entry.title, entry.fix, entry.kind) if entry else (r.title, r.fix, r.kind)
         diag = r.exception or "no error"
         if getattr(r, "cause", ""):
             diag += f" (cause `{r.cause}`)"
         if getattr(r, "op", ""):
             diag += f": `{r.op}` at line {int(r.line)}"
         err = re.search(r"max relative error ([0-9.e+-]+)", r.message or "")
-        if r.kind == "silent" and err:  # the silent outcome itself, not cgutils' report of it
+        if kind == "silent" and err:  # the silent outcome itself, not cgutils' report of it
             happens = f"no error from PyTorch; the replay is wrong by a relative error of {err.group(1)} against eager"
         else:
             happens = str(getattr(r, "original", "") or r.message)
-        kind = r.kind if r.exception or r.kind != "loud" else "loud per the CUDA docs; no error here"
         lines.append(f"| {i} | {title} | {kind} | {happens.replace('|', '/')} | {diag} | {fix.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -274,11 +274,11 @@ def memory_plot(mem, title: str = ""):
               "buckets": "buckets (padded), shared pool"}
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for setup, part in mem.groupby("setup", sort=False):
-        ax.plot(part.shapes, part.reserved_bytes / 2**20, marker="o", label=labels.get(setup, setup))
-        last = part.iloc[-1]
-        ax.annotate(f" {int(last.graphs)} graphs", (last.shapes, last.reserved_bytes / 2**20), fontsize=7)
-    ax.set_xlabel("sequence lengths served")
-    ax.set_ylabel("memory reserved by graphs (MiB)")
+        graphs = int(part.graphs.iloc[-1])
+        ax.plot(part.shapes, part.reserved_bytes / 2**20, marker="o",
+                label=f"{labels.get(setup, setup)}: {graphs} graphs")
+    ax.set_xlabel("sequence lengths served (own pools: shortest first; shared pool, buckets: longest first)")
+    ax.set_ylabel("memory reserved since start (MiB)")
     ax.legend(fontsize=7)
     _finish(fig, ax, title)
     return fig

@@ -135,6 +135,19 @@ class ResultsStore:
         """
         return _read_json(self.path / "meta.json")
 
+    def notebook_meta(self, notebook: str) -> dict:
+        """Provenance of the newest recorded cell of ``notebook``; :meth:`meta` when it has none.
+
+        ``meta.json`` names whichever notebook was recorded last, so a notebook recorded in an earlier
+        run would otherwise show another run's commit and date in its banner.
+
+        Raises:
+            RecordingError: no cell of the notebook and no ``meta.json``.
+        """
+        provs = [_read_json(p).get("provenance") or {} for p in (self.path / "cells" / notebook).glob("*.json")]
+        provs = [p for p in provs if p.get("date")]
+        return max(provs, key=lambda p: p["date"]) if provs else self.meta()
+
     def write_meta(self, prov: dict | None = None) -> dict:
         """Write ``meta.json`` with the current (or given) provenance; returns it."""
         prov = prov or env.provenance()
@@ -468,7 +481,7 @@ def setup_notebook(name: str) -> dict:
         info["device"] = "cpu"
         try:
             store = ResultsStore()
-            info["recording"] = store.meta()
+            info["recording"] = store.notebook_meta(name)
             print(f"Mode: recorded (no CUDA device here). GPU cells show results recorded on "
                   f"{env.describe(info['recording'])}.")
         except RecordingError as exc:

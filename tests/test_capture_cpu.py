@@ -426,3 +426,19 @@ def test_inductor_cudagraphs_option_is_refused():
 def test_explain_recognises_manual_seed_during_capture():
     text = "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if the generator is"
     assert cg.explain(text).key == "rng"
+
+
+# --- third review (new-user walkthrough) ---------------------------------------------------------------
+
+def test_validate_replay_does_not_call_a_nan_replay_stale():
+    """NaN equals NaN in the 'all outputs equal the first' test, so a NaN replay was called stale_input."""
+    from cgutils.capture import validate_replay
+
+    with pytest.raises(cg.CaptureError) as err:
+        validate_replay(lambda t: t * float("nan"), lambda t: t * 2, [(torch.ones(2),), (torch.zeros(2) + 3,)])
+    assert err.value.cause == "nonfinite"
+
+
+def test_explain_rejects_what_is_not_an_error():
+    with pytest.raises(cg.InputError, match="exception or its message"):
+        cg.explain(None)

@@ -234,3 +234,14 @@ def test_repeated_save_flags_accumulate():
     """`--save a:x --save b:y` kept only the last flag, so notebook 03 lost its memory table."""
     args = recorded._parse_line("k --save a:x --save b:y c")
     assert args.save == ["a:x", "b:y", "c"]
+
+
+def test_banner_names_the_notebooks_own_recording(tmp_results):
+    """meta.json names the last notebook recorded; notebook 04's banner showed notebook 03's commit."""
+    store = ResultsStore("nvidia-h200")
+    store.write_meta({**PROV, "git_commit": "newer", "date": "2026-11-29T17:18:00+00:00"})
+    for key, date in (("a", "2026-11-29T17:10:00+00:00"), ("b", "2026-11-29T17:13:00+00:00")):
+        store.save_cell({"notebook": "04_demo", "key": key, "source_hash": "x", "source": "",
+                         "provenance": {**PROV, "git_commit": f"own-{key}", "date": date}, "outputs": []})
+    assert store.notebook_meta("04_demo")["git_commit"] == "own-b"
+    assert store.notebook_meta("05_other")["git_commit"] == "newer"
