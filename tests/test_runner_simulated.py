@@ -1,0 +1,225 @@
+"""GraphRunner's whole call path on the CPU, with CUDA graphs simulated.
+
+The GPU tests run GraphRunner for real but only on the lent H200. Most of GraphRunner is Python around
+three CUDA calls (capture, replay, pool accounting): argument binding, the input check and its fast
+path, static-buffer substitution, bucket padding, slicing, eager fallback and validation. Here those
+three calls are replaced by a stand-in with a graph's static-buffer semantics, so the Python paths run
+end to end in CI:
+
+- "capture" runs the function once on the static input buffers and keeps its output tensors;
+- "replay" runs the function again on the same static input buffers and writes the result into
+  those same output tensors, in place, as a replayed graph rewrites its static outputs.
+
+What the stand-in cannot show (kernels frozen at capture, streams, memory pools) stays in test_gpu.py.
+"""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import cgutils as cg
+import cgutils.capture as capture
+from cgutils.capture import tree_leaves
+
+
+class _SimulatedGraph:
+    def __init__(self, fn, static_out):
+        self.fn, self.static_out, self.replays = fn, static_out, 0
+
+    def replay(self):
+        with torch.no_grad():
+            fresh = self.fn()
+        for (_, dst), (_, src) in zip(tree_leaves(self.static_out), tree_leaves(fresh), strict=True):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        self.replays += 1
+
+
+def _simulated_capture(fn, *, warmup=3, pool=None, on_last_warmup=None, what="function", debug=False):
+    with torch.no_grad():
+        for _ in range(warmup):
+            out = fn()
+        if on_last_warmup is not None:
+            on_last_warmup(out)
+        static_out = fn()
+    return _SimulatedGraph(fn, static_out), static_out
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """CPU tensors pass as CUDA tensors, and capture/replay are simulated (see the module docstring)."""
+    real_check = capture.check_inputs
+
+    def as_cuda(specs):
+        cuda = torch.device("cuda", 0)
+        return None if specs is None else [dataclasses.replace(s, device=cuda) if s.is_tensor else s
+                                           for s in specs]
+
+    def check_as_cuda(specs, reference, *, strict=True):
+        return real_check(as_cuda(specs), as_cuda(reference), strict=strict)
+
+    captures = []
+
+    def counting_capture(fn, **kw):
+        graph, out = _simulated_capture(fn, **kw)
+        captures.append(graph)
+        return graph, out
+
+    monkeypatch.setattr(capture, "check_inputs", check_as_cuda)
+    monkeypatch.setattr(capture, "capture_graph", counting_capture)
+    monkeypatch.setattr(capture, "pool_reserved_bytes", lambda pool: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    return captures
+
+
+def masked_mean(x, attention_mask):
+    """A toy attention: every position gets the mean of the unmasked positions, plus itself.
+    x: (batch, seq, hidden) float32; attention_mask: (batch, seq) float32 of 0/1."""
+    w = attention_mask.unsqueeze(-1)
+    return x + (x * w).sum(1, keepdim=True) / w.sum(1, keepdim=True)
+
+
+def unmasked_mean(x):
+    """The same without a mask: padded positions leak into every result."""
+    return x + x.mean(1, keepdim=True)
+
+
+def test_replay_reads_each_calls_inputs(simulated):
+    runner = cg.GraphRunner(lambda a, b: a * 2 + b)
+    for i in range(3):
+        a, b = torch.randn(2, 3), torch.randn(2, 3)
+        assert torch.equal(runner(a, b), a * 2 + b), f"call {i}"
+    assert len(simulated) == 1 and runner.stats.replays == 3
+
+
+def test_the_same_tensor_twice_then_two_tensors(simulated):
+    """runner(x, x) must capture two static buffers, or runner(p, q) computes f(q, q)."""
+    runner = cg.GraphRunner(lambda a, b: a - b)
+    x = torch.ones(4)
+    assert torch.equal(runner(x, x), torch.zeros(4))
+    p, q = torch.full((4,), 5.0), torch.full((4,), 2.0)
+    assert torch.equal(runner(p, q), torch.full((4,), 3.0))
+
+
+def test_keyword_arguments_go_to_their_own_buffers(simulated):
+    def f(x, attention_mask=None, token_type_ids=None):
+        return x * (attention_mask if attention_mask is not None else 1) + (
+            token_type_ids if token_type_ids is not None else 0)
+
+    runner = cg.GraphRunner(f)
+    x, m = torch.ones(1, 4), torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    assert torch.equal(runner(x, attention_mask=m), m)
+    with pytest.raises(cg.InputError, match="token_type_ids"):
+        runner(x, token_type_ids=torch.full((1, 4), 7.0))
+    assert torch.equal(runner(x * 3, attention_mask=m), 3 * m)  # the accepted pattern still replays
+
+
+def test_fast_path_still_catches_a_changed_dtype_and_value(simulated):
+    runner = cg.GraphRunner(lambda x, scale: x * scale)
+    runner(torch.ones(3), 2.0)
+    runner(torch.ones(3), 2.0)
+    with pytest.raises(cg.InputError, match="dtype"):
+        runner(torch.ones(3, dtype=torch.float64), 2.0)
+    with pytest.raises(cg.InputError, match="baked into the graph"):
+        runner(torch.ones(3), 3.0)
+
+
+def test_buckets_pad_slice_and_match_eager(simulated):
+    runner = cg.GraphRunner(masked_mean, buckets={1: (8, 16)})
+    for seq in (3, 8, 5, 11):
+        x, m = torch.randn(1, seq, 4), torch.ones(1, seq)
+        out = runner(x, m)
+        assert out.shape == (1, seq, 4)
+        torch.testing.assert_close(out, masked_mean(x, m))
+    stats = runner.stats
+    assert stats.captures == 2 and stats.fallbacks == 0
+    assert [g.signature.split(" float32")[0] for g in stats.graphs] == ["x:(1, 8, 4)", "x:(1, 16, 4)"]
+
+
+def test_padding_that_changes_the_result_is_caught(simulated):
+    runner = cg.GraphRunner(unmasked_mean, buckets={1: (8,)})
+    with pytest.raises(cg.CaptureError) as err:
+        runner(torch.randn(1, 5, 4))
+    assert err.value.cause == "padding"
+
+
+def test_above_the_largest_bucket_runs_eagerly_with_one_warning(simulated):
+    runner = cg.GraphRunner(masked_mean, buckets={1: (8,)})
+    with pytest.warns(UserWarning, match="exceed the largest bucket"):
+        out = runner(torch.ones(1, 9, 2), torch.ones(1, 9))
+    torch.testing.assert_close(out, masked_mean(torch.ones(1, 9, 2), torch.ones(1, 9)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner(torch.ones(1, 10, 2), torch.ones(1, 10))
+    assert runner.stats.fallbacks == 2 and runner.stats.captures == 0
+
+
+def test_capture_buckets_largest_first_then_only_replays(simulated):
+    runner = cg.GraphRunner(masked_mean, buckets={1: (4, 8, 16)})
+    stats = runner.capture_buckets(torch.randn(1, 6, 2), torch.ones(1, 6))
+    assert [g.signature.split(" float32")[0] for g in stats.graphs] == ["x:(1, 16, 2)", "x:(1, 8, 2)", "x:(1, 4, 2)"]
+    x, m = torch.randn(1, 7, 2), torch.ones(1, 7)
+    torch.testing.assert_close(runner(x, m), masked_mean(x, m))
+    assert runner.stats.captures == 3
+
+
+def test_capture_buckets_checks_the_padding(simulated):
+    runner = cg.GraphRunner(unmasked_mean, buckets={1: (4, 8)})
+    with pytest.raises(cg.CaptureError) as err:
+        runner.capture_buckets(torch.randn(1, 6, 2))
+    assert err.value.cause == "padding"
+
+
+def test_nested_arguments_and_named_pad_values(simulated):
+    def f(batch):
+        return masked_mean(batch["x"], batch["mask"])
+
+    runner = cg.GraphRunner(f, buckets={1: (8,)}, pad_value={"batch['mask']": 0, "batch['x']": 99})
+    x, m = torch.randn(1, 5, 3), torch.ones(1, 5)
+    torch.testing.assert_close(runner({"x": x, "mask": m}), masked_mean(x, m))
+    static_x = runner._graphs[next(iter(runner._graphs))].static_inputs[0]
+    assert torch.all(static_x[:, 5:] == 99)  # the padding really holds the named value
+
+
+def test_static_outputs_are_rewritten_by_the_next_replay(simulated):
+    runner = cg.GraphRunner(lambda x: x + 1, clone_outputs=False)
+    first = runner(torch.zeros(2))
+    second = runner(torch.full((2,), 10.0))
+    assert first is second and torch.equal(first, torch.full((2,), 11.0))
+    safe = cg.GraphRunner(lambda x: x + 1)
+    a = safe(torch.zeros(2))
+    safe(torch.full((2,), 10.0))
+    assert torch.equal(a, torch.ones(2))
+
+
+def test_outputs_with_objects_and_values_pass_validation(simulated):
+    class Cache:  # compares by identity, like a transformers cache
+        pass
+
+    runner = cg.GraphRunner(lambda x: (x * 2, Cache(), "label"), validate_replays=2)
+    for v in (1.0, 2.0, 3.0):
+        out = runner(torch.full((2,), v))
+        assert torch.equal(out[0], torch.full((2,), 2 * v)) and out[2] == "label"
+
+
+def test_validate_replays_compare_with_eager(simulated, monkeypatch):
+    """A replay that disagrees with eager after capture is a CaptureError naming a baked value. Here a
+    corrupted replay stands in for a baked-in value (the simulation recomputes, so it bakes nothing)."""
+    runner = cg.GraphRunner(lambda x: x * 2, validate_replays=1)
+    runner(torch.ones(2))
+    graph = simulated[0]
+    real_replay = graph.replay
+
+    def corrupted():
+        real_replay()
+        graph.static_out.add_(1)
+
+    monkeypatch.setattr(graph, "replay", corrupted)
+    with pytest.raises(cg.CaptureError) as err:
+        runner(torch.ones(2))
+    assert err.value.cause == "baked_value"
+    runner(torch.ones(2))  # beyond validate_replays: no check, as documented
