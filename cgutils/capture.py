@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 import time
 import warnings
@@ -260,6 +261,9 @@ class _Graph:
     static_inputs: list[torch.Tensor]
     static_output: Any
     info: GraphInfo
+    # Per bucketed input dim: for each output tensor (in tree_map order), the output dims that follow
+    # that input dim's padded length. Learned from the first call that pads that dim (see _output).
+    cuts: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
 
 
 def _default_rtol(dtypes: set[torch.dtype]) -> float:
@@ -572,8 +576,10 @@ class GraphRunner:
             default: one new pool shared by this runner's graphs.
         buckets: ``{dim: sizes}``: pad every tensor argument with more than ``dim`` dimensions along
             ``dim`` up to the smallest size in ``sizes`` that holds it, so a few graphs serve every
-            length. Output tensors whose size along ``dim`` equals the bucket are sliced back to the
-            caller's length. A size above the largest bucket runs eagerly (counted in
+            length. Outputs are cut back to the caller's length along the dims that follow it: the
+            first call that pads into a graph also runs ``fn`` eagerly once, at its own shapes, to see
+            which output dims those are (and, with ``validate``, to check the padding; see
+            :meth:`capture_buckets` to do this up front). A size above the largest bucket runs eagerly (counted in
             ``stats.fallbacks``, with one warning). Padding must not change the real positions'
             results: for attention pass an attention mask, padded with 0 (the default ``pad_value``).
         pad_value: value written into padding: one number, or ``{argument name: number}`` (names as
@@ -736,7 +742,7 @@ class GraphRunner:
         entry.graph.replay()
         entry.info.replays += 1
         self._replays += 1
-        out = self._sliced(entry.static_output, named, targets)
+        out = self._output(entry, args, kwargs, named, targets)
         if entry.info.replays <= self.validate_replays + 1 and entry.info.replays > 1:
             self._check_replay(out, args, kwargs)
         if self.clone_outputs:
@@ -748,21 +754,28 @@ class GraphRunner:
         for buf, (name, t) in zip(entry.static_inputs, named, strict=True):
             _copy_padded(buf, t, self._pad_of(name))
 
-    def _sliced(self, out: Any, named: list, targets: list) -> Any:
-        """Cut the padding off the outputs: along each bucketed dim, a leaf whose size equals the bucket
-        is narrowed to the caller's size."""
-        cuts = {dim: (tg[dim], t.shape[dim]) for (_, t), tg in zip(named, targets, strict=True)
-                for dim in self.buckets if t.dim() > dim and tg[dim] != t.shape[dim]}
-        if not cuts:
+    def _output(self, entry: _Graph, args: tuple, kwargs: dict, named: list, targets: list) -> Any:
+        """The graph's static outputs, cut back to the caller's lengths along the padded dims.
+
+        Which output dims follow a padded input dim is learned per graph, from the first call that pads
+        that dim, by one eager call at the caller's shapes: the dims whose size is the bucket in the
+        replay and the caller's length in eager are cut. A size test alone ("equals the bucket") would
+        also cut a pooled output of hidden size 512 under a 512 bucket. With ``validate`` the same eager
+        call checks that padding left the real positions alone.
+        """
+        padded = {dim: (tg[dim], t.shape[dim]) for (_, t), tg in zip(named, targets, strict=True)
+                  for dim in self.buckets if t.dim() > dim and tg[dim] != t.shape[dim]}
+        if not padded:
+            return entry.static_output
+        if not padded.keys() <= entry.cuts.keys():
+            with torch.no_grad():
+                expected = self._call(*args, **kwargs)
+            entry.cuts.update(_learn_cuts(entry.static_output, expected, padded))
+            out = _apply_cuts(entry.static_output, entry.cuts, padded)
+            if self.validate:
+                self._check_padding(out, expected, self._rtol_for(entry.static_output, {t.dtype for _, t in named}))
             return out
-
-        def cut(x: torch.Tensor) -> torch.Tensor:
-            for dim, (padded, real) in cuts.items():
-                if x.dim() > dim and x.shape[dim] == padded:
-                    x = x.narrow(dim, 0, real)
-            return x
-
-        return tree_map(cut, out)
+        return _apply_cuts(entry.static_output, entry.cuts, padded)
 
     def _fallback(self, args: tuple, kwargs: dict, named: list) -> Any:
         self._fallbacks += 1
@@ -801,8 +814,9 @@ class GraphRunner:
         the smaller graphs reuse its blocks. The example is padded (or cut) to each bucket size, so its
         values only serve warm-up and validation.
 
-        With ``validate=True`` the example is then replayed once, padded, and compared with an eager
-        call at its own shape, as a capture from ``__call__`` would check it.
+        The example is then replayed once, padded, next to an eager call at its own shape: that
+        learns which output dims to cut back (see ``buckets``) and, with ``validate``, checks that
+        padding leaves the result alone, as a capture from ``__call__`` would.
 
         Returns:
             :attr:`stats` after the captures.
@@ -813,8 +827,6 @@ class GraphRunner:
         """
         if not self.buckets:
             raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
-        import itertools
-
         self._check_bucketed_lengths([(n, t) for n, t in self._leaves(args, kwargs) if isinstance(t, torch.Tensor)])
 
         dims = sorted(self.buckets)
@@ -834,13 +846,12 @@ class GraphRunner:
                 return t
 
             self(*tree_map(resize, args), **tree_map(resize, kwargs))
-        if self.validate:
-            self._check_example_padding(args, kwargs)
+        self._check_example_padding(args, kwargs)
         return self.stats
 
     def _check_example_padding(self, args: tuple, kwargs: dict) -> None:
-        """capture_buckets captures at exact bucket sizes, where capture's own padding check has nothing
-        to compare; so replay the caller's example, padded, once against eager at its own shape."""
+        """capture_buckets captures at exact bucket sizes, where nothing is padded; so replay the
+        caller's example, padded, once through :meth:`_output` (learn the cuts, check the padding)."""
         named = [(n, leaf) for n, leaf in self._leaves(args, kwargs) if isinstance(leaf, torch.Tensor)]
         targets = [self._target_shape(t) for _, t in named]
         if any(tg is None for tg in targets) or all(tuple(t.shape) == tg for (_, t), tg in zip(named, targets, strict=True)):
@@ -848,8 +859,7 @@ class GraphRunner:
         entry = self._graphs[tuple((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True))]
         self._load(entry, named)
         entry.graph.replay()
-        rtol = self._rtol_for(entry.static_output, {t.dtype for _, t in named})
-        self._check_padding(self._sliced(entry.static_output, named, targets), args, kwargs, rtol)
+        self._output(entry, args, kwargs, named, targets)
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list[tuple[str, Any]],
                  named: list[tuple[str, torch.Tensor]], targets: list[tuple[int, ...]]) -> _Graph:
@@ -888,8 +898,6 @@ class GraphRunner:
                     f"(randomness such as dropout in training mode, a value read on the CPU during "
                     f"capture). Call model.eval(), keep control flow on the GPU (torch.where), or raise "
                     f"rtol if the difference is numerical noise.", max_rel_error=rel, cause="baked_value")
-            if any(tuple(t.shape) != tg for (_, t), tg in zip(named, targets, strict=True)):
-                self._check_padding(self._sliced(static_out, named, targets), args, kwargs, rtol)
 
         out_bytes = sum(t.numel() * t.element_size() for _, t in tree_leaves(static_out)
                         if isinstance(t, torch.Tensor))
@@ -901,26 +909,77 @@ class GraphRunner:
                          static_output_bytes=out_bytes, max_rel_error=rel)
         # The validation replay consumed the static inputs already holding this call's data, so
         # __call__'s replay below just recomputes the same answer: cheap, and keeps one code path.
+        # A padded call is checked against eager at its own shapes there too (_output).
         return _Graph(graph, static_inputs, static_out, info)
 
-    def _check_padding(self, replayed: Any, args: tuple, kwargs: dict, rtol: float) -> None:
-        """Compare a padded replay, already cut back (``_sliced``), with eager at the caller's shapes."""
-        with torch.no_grad():
-            expected = self._call(*args, **kwargs)
-        try:
-            rel = max_rel_error(replayed, expected)
-        except InputError as exc:  # an output whose shape padding changed in a way slicing cannot undo
-            raise CaptureError(
-                f"padding to the bucket changed the outputs' shapes beyond what cutting dim(s) "
-                f"{sorted(self.buckets)} back restores ({exc}); use buckets only for dims that outputs keep "
-                f"or drop as a whole", cause="padding") from exc
+    def _check_padding(self, replayed: Any, expected: Any, rtol: float) -> None:
+        """Compare a padded replay, already cut back (``_output``), with eager at the caller's shapes."""
+        rel = max_rel_error(replayed, expected)
         if not rel <= rtol:
             raise CaptureError(
                 f"padding to the bucket changed the result on the real positions: max relative error "
                 f"{rel:.3g} > rtol {rtol:.3g} against an eager call at the caller's shapes. The model "
                 f"reads the padded positions (for attention: pass an attention mask, padded with 0, "
-                f"e.g. pad_value={{'attention_mask': 0}}), or its output is not cut at the bucketed dim; "
-                f"use buckets only for dims that padding leaves alone.", max_rel_error=rel, cause="padding")
+                f"e.g. pad_value={{'attention_mask': 0}}); use buckets only for dims that padding "
+                f"leaves alone.", max_rel_error=rel, cause="padding")
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a nest, in the order :func:`tree_map` visits them."""
+    found: list[torch.Tensor] = []
+    tree_map(found.append, out)
+    return found
+
+
+def _learn_cuts(replayed: Any, expected: Any, padded: dict[int, tuple[int, int]]) -> dict[int, list[tuple[int, ...]]]:
+    """For each padded input dim ``k`` (``padded[k] = (bucket, caller's length)``): per output tensor,
+    the dims whose size is the bucket in the padded replay and the caller's length in eager.
+
+    Raises:
+        CaptureError: ``cause="padding"``: an output differs from eager in structure, rank, or a size
+            that cutting the padding off cannot restore (e.g. a length that is not the input's).
+    """
+    got, want = _tensors(replayed), _tensors(expected)
+    paths = [p for p, leaf in tree_leaves(replayed) if isinstance(leaf, torch.Tensor)]
+    if len(paths) != len(got):
+        paths = [f"output tensor {i}" for i in range(len(got))]
+
+    def fail(why: str) -> CaptureError:
+        return CaptureError(f"padding to the bucket changed the outputs beyond what cutting the padding "
+                            f"off restores: {why}; use buckets only for dims that the outputs keep (cut "
+                            f"back) or drop as a whole", cause="padding")
+
+    if len(got) != len(want):
+        raise fail(f"{len(got)} output tensors padded vs {len(want)} at the caller's shapes")
+    cuts: dict[int, list[tuple[int, ...]]] = {k: [] for k in padded}
+    for path, a, e in zip(paths, got, want, strict=True):
+        if a.dim() != e.dim():
+            raise fail(f"{path} has {a.dim()} dims padded vs {e.dim()} at the caller's shapes")
+        follows: dict[int, list[int]] = {k: [] for k in padded}
+        for d, (size_padded, size_eager) in enumerate(zip(a.shape, e.shape, strict=True)):
+            if size_padded == size_eager:
+                continue
+            ks = [k for k, pair in padded.items() if pair == (size_padded, size_eager)]
+            if not ks:
+                raise fail(f"{path} dim {d} is {size_padded} padded vs {size_eager} at the caller's shapes")
+            follows[d if d in ks else ks[0]].append(d)
+        for k in padded:
+            cuts[k].append(tuple(follows[k]))
+    return cuts
+
+
+def _apply_cuts(out: Any, cuts: dict[int, list[tuple[int, ...]]], padded: dict[int, tuple[int, int]]) -> Any:
+    """Narrow each output tensor along the dims learned by :func:`_learn_cuts` to the caller's lengths."""
+    index = itertools.count()
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        i = next(index)
+        for k, (_, real) in padded.items():
+            for d in cuts[k][i]:
+                x = x.narrow(d, 0, real)
+        return x
+
+    return tree_map(cut, out)
 
 
 def _substitute(names: list, args: tuple, kwargs: dict, static_inputs: list) -> tuple[tuple, dict]:

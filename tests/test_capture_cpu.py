@@ -270,8 +270,24 @@ def test_bucket_shapes_and_padding_helpers():
     buf = torch.empty(2, 4)
     _copy_padded(buf, torch.ones(2, 3), pad=-1.0)
     assert buf.tolist() == [[1, 1, 1, -1], [1, 1, 1, -1]]
-    out = runner._sliced({"h": torch.zeros(2, 64, 8), "p": torch.zeros(2, 8)}, [("x", torch.zeros(2, 40))], [(2, 64)])
-    assert out["h"].shape == (2, 40, 8) and out["p"].shape == (2, 8)
+
+
+def test_output_cuts_are_learned_from_eager_shapes():
+    """A pooled output of hidden size 64 under a 64 bucket was cut to the caller's length, since the
+    cut test was "size equals the bucket"; the dims to cut are now learned from an eager call."""
+    from cgutils.capture import _apply_cuts, _learn_cuts
+
+    padded = {1: (64, 40)}
+    replayed = {"h": torch.zeros(2, 64, 8), "pooled": torch.zeros(2, 64), "attn": torch.zeros(2, 4, 64, 64)}
+    eager = {"h": torch.zeros(2, 40, 8), "pooled": torch.zeros(2, 64), "attn": torch.zeros(2, 4, 40, 40)}
+    cuts = _learn_cuts(replayed, eager, padded)
+    out = _apply_cuts(replayed, cuts, padded)
+    assert {k: tuple(v.shape) for k, v in out.items()} == {"h": (2, 40, 8), "pooled": (2, 64), "attn": (2, 4, 40, 40)}
+    later = _apply_cuts(replayed, cuts, {1: (64, 33)})  # another caller length, same graph
+    assert tuple(later["attn"].shape) == (2, 4, 33, 33) and tuple(later["pooled"].shape) == (2, 64)
+    with pytest.raises(cg.CaptureError, match=r"output\['h'\] dim 1 is 65 padded vs 41") as err:
+        _learn_cuts({"h": torch.zeros(2, 65)}, {"h": torch.zeros(2, 41)}, padded)  # length + 1: not cuttable
+    assert err.value.cause == "padding"
 
 
 def test_param_names_are_bound_once_per_call_pattern():
