@@ -1,4 +1,4 @@
-"""GraphRunner's whole call path on the CPU, with CUDA graphs simulated.
+"""GraphRunner's whole call path (and GreedyDecoder's graph mode) on the CPU, with CUDA graphs simulated.
 
 The GPU tests run GraphRunner for real but only on the lent H200. Most of GraphRunner is Python around
 three CUDA calls (capture, replay, pool accounting): argument binding, the input check and its fast
@@ -21,6 +21,7 @@ import torch
 
 import cgutils as cg
 import cgutils.capture as capture
+import cgutils.generation as generation
 from cgutils.capture import tree_leaves
 
 
@@ -69,6 +70,7 @@ def simulated(monkeypatch):
 
     monkeypatch.setattr(capture, "check_inputs", check_as_cuda)
     monkeypatch.setattr(capture, "capture_graph", counting_capture)
+    monkeypatch.setattr(generation, "capture_graph", counting_capture)
     monkeypatch.setattr(capture, "pool_reserved_bytes", lambda pool: 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -276,3 +278,19 @@ def test_two_bucketed_dims_are_learned_as_each_is_padded(simulated):
         x = torch.rand(shape)
         torch.testing.assert_close(runner(x), x * 2)
     assert runner.stats.captures == 1
+
+
+@pytest.mark.parametrize("steps_per_graph", [1, 4])
+def test_graph_mode_decoding_gives_the_eager_tokens(simulated, steps_per_graph):
+    """GreedyDecoder's graph slots (a one-step graph and a block of steps, warm-up from a dummy prompt,
+    remainder steps) with simulated replays: the tokens of the eager decoder, for two prompts in turn."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).eval()
+    eager = generation.GreedyDecoder(model, mode="eager")
+    graphed = generation.GreedyDecoder(model, mode="eager", steps_per_graph=steps_per_graph)
+    graphed.mode = "graph"  # the CUDA check in __init__ is the only thing skipped
+    for prompt in (torch.randint(0, 1000, (1, 5)), torch.randint(0, 1000, (1, 9))):
+        assert torch.equal(graphed.generate(prompt, max_new_tokens=23), eager.generate(prompt, max_new_tokens=23))
+    assert len(simulated) == 2  # one slot: its one-step graph and its block graph
