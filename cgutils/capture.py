@@ -589,7 +589,9 @@ class GraphRunner:
             arguments. Compilation happens during the first warm-up.
 
     Shapes and dtypes: each distinct combination of (padded) input shapes and, with ``strict=False``,
-    dtypes gets its own graph, captured on first sight; all graphs share one memory pool.
+    dtypes gets its own graph, captured on first sight; so does each CUDA autocast state
+    (``torch.autocast("cuda", dtype=...)`` on or off), since captured kernels keep the dtypes autocast
+    chose at capture. All graphs share one memory pool.
 
     Raises (from ``__call__``):
         InputError: CPU tensors, a changed argument structure, dtype, rank, device or non-tensor value.
@@ -732,10 +734,10 @@ class GraphRunner:
         targets = [self._target_shape(t) for _, t in named] if self.buckets else [tuple(t.shape) for _, t in named]
         if any(tg is None for tg in targets):
             return self._fallback(args, kwargs, named)
-        key = tuple((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True))
+        key = _graph_key(named, targets)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(args, kwargs, leaves, named, targets)
+            entry = self._capture(args, kwargs, leaves, named, targets, key[-1])
             self._graphs[key] = entry
         else:
             self._load(entry, named)
@@ -856,13 +858,13 @@ class GraphRunner:
         targets = [self._target_shape(t) for _, t in named]
         if any(tg is None for tg in targets) or all(tuple(t.shape) == tg for (_, t), tg in zip(named, targets, strict=True)):
             return
-        entry = self._graphs[tuple((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True))]
+        entry = self._graphs[_graph_key(named, targets)]
         self._load(entry, named)
         entry.graph.replay()
         self._output(entry, args, kwargs, named, targets)
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list[tuple[str, Any]],
-                 named: list[tuple[str, torch.Tensor]], targets: list[tuple[int, ...]]) -> _Graph:
+                 named: list[tuple[str, torch.Tensor]], targets: list[tuple[int, ...]], autocast: tuple) -> _Graph:
         t_start = time.perf_counter()
         static_inputs = []
         for (name, t), tg in zip(named, targets, strict=True):
@@ -903,6 +905,8 @@ class GraphRunner:
                         if isinstance(t, torch.Tensor))
         signature = ", ".join(f"{n}:{tg} {str(t.dtype).replace('torch.', '')}"
                               for (n, t), tg in zip(named, targets, strict=True))
+        if autocast[0]:
+            signature += f" (autocast {str(autocast[1]).replace('torch.', '')})"
         info = GraphInfo(signature=signature, capture_ms=(time.perf_counter() - t_start) * 1e3,
                          pool_bytes=pool_bytes,
                          static_input_bytes=sum(t.numel() * t.element_size() for t in static_inputs),
@@ -980,6 +984,21 @@ def _apply_cuts(out: Any, cuts: dict[int, list[tuple[int, ...]]], padded: dict[i
         return x
 
     return tree_map(cut, out)
+
+
+def _autocast_state() -> tuple:
+    """CUDA autocast as it is now: ``(False,)``, or ``(True, dtype)``. Kernels captured under autocast
+    keep the dtypes it chose, so a call under another autocast state needs a graph of its own (else
+    an fp32 call would silently get fp16 results, or the other way round)."""
+    if torch.is_autocast_enabled("cuda"):
+        return True, torch.get_autocast_dtype("cuda")
+    return (False,)
+
+
+def _graph_key(named: list, targets: list) -> tuple:
+    """Which graph serves a call: the (padded) shape and dtype of every tensor argument, then the
+    autocast state (last)."""
+    return (*((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True)), _autocast_state())
 
 
 def _substitute(names: list, args: tuple, kwargs: dict, static_inputs: list) -> tuple[tuple, dict]:

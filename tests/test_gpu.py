@@ -278,3 +278,34 @@ def test_warmups_share_one_side_stream():
         if i == 0:
             after_first = torch.cuda.memory_reserved()
     assert torch.cuda.memory_reserved() - after_first < 30 * 2**20
+
+
+def test_autocast_call_gets_its_own_graph():
+    """A graph captured in fp32 replayed for calls under torch.autocast (fp16 expected) and back."""
+    lin = torch.nn.Linear(64, 64).cuda().eval()
+    runner = cg.GraphRunner(lin)
+    x = torch.randn(8, 64, device="cuda")
+    assert runner(x).dtype == torch.float32
+    with torch.autocast("cuda", dtype=torch.float16):
+        half = runner(x)
+        with torch.no_grad():
+            want = lin(x)
+    assert half.dtype == torch.float16 and cg.max_rel_error(half, want) <= 1e-2
+    assert runner(x).dtype == torch.float32 and runner.stats.captures == 2
+
+
+def test_pooled_output_as_wide_as_the_bucket_is_not_cut():
+    """BERT with hidden size 256 under a 256 bucket: pooler_output (1, 256) was cut to the caller's length."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=512)).cuda().eval()
+    runner = cg.GraphRunner(bert, buckets={1: (128, 256)})
+    ids = torch.randint(0, 30000, (1, 200), device="cuda")
+    mask = torch.ones_like(ids)
+    got = runner(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        want = bert(input_ids=ids, attention_mask=mask)
+    assert got.last_hidden_state.shape == (1, 200, 256) and got.pooler_output.shape == (1, 256)
+    assert cg.max_rel_error(got.pooler_output, want.pooler_output) <= 1e-3

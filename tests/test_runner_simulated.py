@@ -294,3 +294,19 @@ def test_graph_mode_decoding_gives_the_eager_tokens(simulated, steps_per_graph):
     for prompt in (torch.randint(0, 1000, (1, 5)), torch.randint(0, 1000, (1, 9))):
         assert torch.equal(graphed.generate(prompt, max_new_tokens=23), eager.generate(prompt, max_new_tokens=23))
     assert len(simulated) == 2  # one slot: its one-step graph and its block graph
+
+
+def test_each_autocast_state_gets_its_own_graph(simulated):
+    """One graph served calls with and without torch.autocast: kernels captured in fp32 replayed for an
+    fp16 autocast call (and the other way round), silently in the wrong precision."""
+    runner = cg.GraphRunner(lambda x: x @ x)
+    x = torch.rand(4, 4)
+    runner(x)
+    with torch.autocast("cuda", dtype=torch.float16):
+        runner(x)
+        runner(x)
+        with torch.autocast("cuda", enabled=False):
+            runner(x)
+    assert [g.signature for g in runner.stats.graphs] == [
+        "x:(4, 4) float32", "x:(4, 4) float32 (autocast float16)"]
+    assert [g.replays for g in runner.stats.graphs] == [2, 2]
