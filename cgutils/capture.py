@@ -772,10 +772,11 @@ class GraphRunner:
         if not padded.keys() <= entry.cuts.keys():
             with torch.no_grad():
                 expected = self._call(*args, **kwargs)
-            entry.cuts.update(_learn_cuts(entry.static_output, expected, padded))
-            out = _apply_cuts(entry.static_output, entry.cuts, padded)
+            cuts = {**entry.cuts, **_learn_cuts(entry.static_output, expected, padded)}
+            out = _apply_cuts(entry.static_output, cuts, padded)
             if self.validate:
                 self._check_padding(out, expected, self._rtol_for(entry.static_output, {t.dtype for _, t in named}))
+            entry.cuts = cuts  # only once checked: a call after a failed check must fail the same way
             return out
         return _apply_cuts(entry.static_output, entry.cuts, padded)
 
