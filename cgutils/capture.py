@@ -561,7 +561,8 @@ class GraphRunner:
             arguments may be nested in tuples, lists and dicts.
         warmup: eager calls on a side stream before each capture (>= 1).
         validate: compare the first replay with eager and raise on mismatch (cost: one replay and one
-            output clone per capture; see ``python -m cgutils bench memory``).
+            output clone per capture; see ``python -m cgutils bench memory``); with ``buckets``, also
+            check the padding on the eager call described there.
         validate_replays: also compare the first ``K`` replays of each graph (after capture, on the
             caller's fresh inputs) with an eager call; catches Python values baked in at capture that
             change later (module attributes, CPU scalars, Python branches). Each costs one eager call.
@@ -577,9 +578,11 @@ class GraphRunner:
         buckets: ``{dim: sizes}``: pad every tensor argument with more than ``dim`` dimensions along
             ``dim`` up to the smallest size in ``sizes`` that holds it, so a few graphs serve every
             length. Outputs are cut back to the caller's length along the dims that follow it: the
-            first call that pads into a graph also runs ``fn`` eagerly once, at its own shapes, to see
-            which output dims those are (and, with ``validate``, to check the padding; see
-            :meth:`capture_buckets` to do this up front). A size above the largest bucket runs eagerly (counted in
+            first call that pads a dim of a graph's inputs also runs ``fn`` eagerly once, at the
+            caller's shapes, to see which output dims those are, and with ``validate`` to check that
+            padding left the result alone (so ``fn`` must also run at unpadded lengths; the call
+            repeats after a failed check, or while two padded dims share a length and bucket).
+            A size above the largest bucket runs eagerly (counted in
             ``stats.fallbacks``, with one warning). Padding must not change the real positions'
             results: for attention pass an attention mask, padded with 0 (the default ``pad_value``).
         pad_value: value written into padding: one number, or ``{argument name: number}`` (names as
@@ -772,11 +775,14 @@ class GraphRunner:
         if not padded.keys() <= entry.cuts.keys():
             with torch.no_grad():
                 expected = self._call(*args, **kwargs)
-            cuts = {**entry.cuts, **_learn_cuts(entry.static_output, expected, padded)}
-            out = _apply_cuts(entry.static_output, cuts, padded)
+            learned, ambiguous = _learn_cuts(entry.static_output, expected, padded)
+            out = _apply_cuts(entry.static_output, {**learned, **entry.cuts}, padded)
             if self.validate:
                 self._check_padding(out, expected, self._rtol_for(entry.static_output, {t.dtype for _, t in named}))
-            entry.cuts = cuts  # only once checked: a call after a failed check must fail the same way
+            # Stored only once checked (a call after a failed check must fail the same way), and only
+            # for dims this call told apart: two padded dims with the same (bucket, length) are cut
+            # correctly now, but which one an output dim follows is learned at a later call.
+            entry.cuts = {**{k: v for k, v in learned.items() if k not in ambiguous}, **entry.cuts}
             return out
         return _apply_cuts(entry.static_output, entry.cuts, padded)
 
@@ -817,9 +823,10 @@ class GraphRunner:
         the smaller graphs reuse its blocks. The example is padded (or cut) to each bucket size, so its
         values only serve warm-up and validation.
 
-        The example is then replayed once, padded, next to an eager call at its own shape: that
-        learns which output dims to cut back (see ``buckets``) and, with ``validate``, checks that
-        padding leaves the result alone, as a capture from ``__call__`` would.
+        When the example's own size is below a bucket, it is then replayed once, padded, next to an
+        eager call at its own shape: for the graph of that bucket, that learns which output dims to
+        cut back (see ``buckets``) and, with ``validate``, checks the padding. The other graphs do
+        this on their first padded call.
 
         Returns:
             :attr:`stats` after the captures.
@@ -919,7 +926,12 @@ class GraphRunner:
 
     def _check_padding(self, replayed: Any, expected: Any, rtol: float) -> None:
         """Compare a padded replay, already cut back (``_output``), with eager at the caller's shapes."""
-        rel = max_rel_error(replayed, expected)
+        try:
+            rel = max_rel_error(replayed, expected)
+        except InputError as exc:  # e.g. a non-tensor output that depends on the length
+            raise CaptureError(f"padding to the bucket changed the outputs: {exc}; use buckets only for "
+                               f"dims that the outputs keep (cut back) or drop as a whole",
+                               cause="padding") from exc
         if not rel <= rtol:
             raise CaptureError(
                 f"padding to the bucket changed the result on the real positions: max relative error "
@@ -932,13 +944,19 @@ class GraphRunner:
 def _tensors(out: Any) -> list[torch.Tensor]:
     """The tensors of a nest, in the order :func:`tree_map` visits them."""
     found: list[torch.Tensor] = []
-    tree_map(found.append, out)
+    tree_map(lambda t: found.append(t) or t, out)  # keep the tensors in place: a rebuilt dataclass may read them
     return found
 
 
-def _learn_cuts(replayed: Any, expected: Any, padded: dict[int, tuple[int, int]]) -> dict[int, list[tuple[int, ...]]]:
+def _learn_cuts(replayed: Any, expected: Any,
+                padded: dict[int, tuple[int, int]]) -> tuple[dict[int, list[tuple[int, ...]]], set[int]]:
     """For each padded input dim ``k`` (``padded[k] = (bucket, caller's length)``): per output tensor,
     the dims whose size is the bucket in the padded replay and the caller's length in eager.
+
+    Returns:
+        ``(cuts, ambiguous)``: ``cuts[k][i]`` the dims of output tensor ``i`` to cut with input dim
+        ``k``; ``ambiguous`` the input dims that share their (bucket, length) pair with another padded
+        dim that an output dim follows, so that this call cannot tell which of them it follows.
 
     Raises:
         CaptureError: ``cause="padding"``: an output differs from eager in structure, rank, or a size
@@ -957,6 +975,7 @@ def _learn_cuts(replayed: Any, expected: Any, padded: dict[int, tuple[int, int]]
     if len(got) != len(want):
         raise fail(f"{len(got)} output tensors padded vs {len(want)} at the caller's shapes")
     cuts: dict[int, list[tuple[int, ...]]] = {k: [] for k in padded}
+    ambiguous: set[int] = set()
     for path, a, e in zip(paths, got, want, strict=True):
         if a.dim() != e.dim():
             raise fail(f"{path} has {a.dim()} dims padded vs {e.dim()} at the caller's shapes")
@@ -967,10 +986,12 @@ def _learn_cuts(replayed: Any, expected: Any, padded: dict[int, tuple[int, int]]
             ks = [k for k, pair in padded.items() if pair == (size_padded, size_eager)]
             if not ks:
                 raise fail(f"{path} dim {d} is {size_padded} padded vs {size_eager} at the caller's shapes")
-            follows[d if d in ks else ks[0]].append(d)
+            if len(ks) > 1:
+                ambiguous.update(ks)
+            follows[ks[0]].append(d)
         for k in padded:
             cuts[k].append(tuple(follows[k]))
-    return cuts
+    return cuts, ambiguous
 
 
 def _apply_cuts(out: Any, cuts: dict[int, list[tuple[int, ...]]], padded: dict[int, tuple[int, int]]) -> Any:

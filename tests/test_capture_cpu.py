@@ -280,7 +280,8 @@ def test_output_cuts_are_learned_from_eager_shapes():
     padded = {1: (64, 40)}
     replayed = {"h": torch.zeros(2, 64, 8), "pooled": torch.zeros(2, 64), "attn": torch.zeros(2, 4, 64, 64)}
     eager = {"h": torch.zeros(2, 40, 8), "pooled": torch.zeros(2, 64), "attn": torch.zeros(2, 4, 40, 40)}
-    cuts = _learn_cuts(replayed, eager, padded)
+    cuts, ambiguous = _learn_cuts(replayed, eager, padded)
+    assert ambiguous == set()
     out = _apply_cuts(replayed, cuts, padded)
     assert {k: tuple(v.shape) for k, v in out.items()} == {"h": (2, 40, 8), "pooled": (2, 64), "attn": (2, 4, 40, 40)}
     later = _apply_cuts(replayed, cuts, {1: (64, 33)})  # another caller length, same graph

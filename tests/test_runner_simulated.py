@@ -311,3 +311,35 @@ def test_each_autocast_state_gets_its_own_graph(simulated):
     assert [g.signature for g in runner.stats.graphs] == [
         "x:(4, 4) float32", "x:(4, 4) float32 (autocast float16)"]
     assert [g.replays for g in runner.stats.graphs] == [2, 2]
+
+
+# --- review of the learned cuts (helper), each failed before its fix -------------------------------------
+
+def test_two_padded_dims_with_the_same_length_are_not_confused(simulated):
+    """With buckets on dims 0 and 1 and a first call of (5, 5), an output dim was credited to the wrong
+    input dim, and a later (3, 5) call cut the wrong axis."""
+    for fn in (lambda x: x.sum(0), lambda x: x.transpose(0, 1) * 2):
+        runner = cg.GraphRunner(fn, buckets={0: (8,), 1: (8,)})
+        for shape in [(5, 5, 2), (3, 5, 2), (5, 3, 2), (2, 7, 2)]:
+            x = torch.rand(shape)
+            torch.testing.assert_close(runner(x), fn(x))
+
+
+def test_dataclass_outputs_that_read_their_fields(simulated):
+    @dataclasses.dataclass
+    class Out:
+        h: torch.Tensor
+        n: int = 0
+
+        def __post_init__(self):
+            self.n = self.h.shape[-1]
+
+    runner = cg.GraphRunner(lambda x: Out(x * 2), buckets={1: (8,)})
+    assert runner(torch.rand(1, 5, 3)).h.shape == (1, 5, 3)
+
+
+def test_output_structure_changed_by_padding_is_a_padding_error(simulated):
+    runner = cg.GraphRunner(lambda x: (x * 2, "a" if x.shape[1] == 8 else ("a", "b")), buckets={1: (8,)})
+    with pytest.raises(cg.CaptureError) as err:
+        runner(torch.rand(1, 5, 3))
+    assert err.value.cause == "padding"
