@@ -959,8 +959,9 @@ def _learn_cuts(replayed: Any, expected: Any,
         dim that an output dim follows, so that this call cannot tell which of them it follows.
 
     Raises:
-        CaptureError: ``cause="padding"``: an output differs from eager in structure, rank, or a size
-            that cutting the padding off cannot restore (e.g. a length that is not the input's).
+        CaptureError: ``cause="padding"``: an output differs from eager in structure, rank, a plain
+            value (a length returned as a number), or a size that cutting the padding off cannot
+            restore (e.g. a length that is not the input's).
     """
     got, want = _tensors(replayed), _tensors(expected)
     paths = [p for p, leaf in tree_leaves(replayed) if isinstance(leaf, torch.Tensor)]
@@ -974,6 +975,11 @@ def _learn_cuts(replayed: Any, expected: Any,
 
     if len(got) != len(want):
         raise fail(f"{len(got)} output tensors padded vs {len(want)} at the caller's shapes")
+    values = [(p, v) for p, v in tree_leaves(replayed) if not isinstance(v, torch.Tensor)]
+    wanted = [v for _, v in tree_leaves(expected) if not isinstance(v, torch.Tensor)]
+    for (path, v), w in zip(values, wanted, strict=False):  # e.g. a length returned as a number
+        if _is_plain(v) and _is_plain(w) and not _same_value(v, w):
+            raise fail(f"{path} is {v!r} padded vs {w!r} at the caller's shapes")
     cuts: dict[int, list[tuple[int, ...]]] = {k: [] for k in padded}
     ambiguous: set[int] = set()
     for path, a, e in zip(paths, got, want, strict=True):

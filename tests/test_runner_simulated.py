@@ -343,3 +343,11 @@ def test_output_structure_changed_by_padding_is_a_padding_error(simulated):
     with pytest.raises(cg.CaptureError) as err:
         runner(torch.rand(1, 5, 3))
     assert err.value.cause == "padding"
+
+
+def test_a_length_returned_as_a_number_is_a_padding_error_without_validation(simulated):
+    """With validate=False the bucket size came back where the caller's length was returned."""
+    runner = cg.GraphRunner(lambda x: (x * 2, x.shape[1]), buckets={1: (8,)}, validate=False)
+    with pytest.raises(cg.CaptureError, match=r"output\[1\] is 8 padded vs 5") as err:
+        runner(torch.rand(1, 5, 3))
+    assert err.value.cause == "padding"
