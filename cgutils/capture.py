@@ -21,6 +21,7 @@ Inference only: warm-up, capture and replay run under ``torch.no_grad()``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -518,30 +519,46 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         ``(graph, static_output)``: the output tensors live in the pool and are rewritten by each
         ``graph.replay()``.
 
+    Under ``torch.autocast("cuda")``, warm-up and capture run with autocast's cast cache off, so
+    the graph casts the weights itself instead of reading cached copies that die with the context.
+
     Raises:
         CaptureError: capture failed; ``.original`` holds the error, ``.explanation`` cause and fix.
     """
     side = _warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(warmup):
-            out = fn()
-        if on_last_warmup is not None:
-            on_last_warmup(out)
-        del out
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    if debug:
-        graph.enable_debug_mode()
-    try:
-        with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-            static_out = fn()
-    except Exception as exc:
-        reset_rng_after_failed_capture()
-        raise _capture_failure(exc, fn, what) from exc
+    with _autocast_without_cache():
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                out = fn()
+            if on_last_warmup is not None:
+                on_last_warmup(out)
+            del out
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        if debug:
+            graph.enable_debug_mode()
+        try:
+            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                static_out = fn()
+        except Exception as exc:
+            reset_rng_after_failed_capture()
+            raise _capture_failure(exc, fn, what) from exc
     torch.cuda.synchronize()
     return graph, static_out
+
+
+def _autocast_without_cache() -> contextlib.AbstractContextManager:
+    """CUDA autocast as the caller set it, with its cast cache off (a no-op outside autocast).
+
+    Autocast caches the low-precision copy of each parameter until the outermost autocast context
+    exits. A graph captured while that cache is on reads the cached copy, not a cast of its own, and
+    replays after the context exits read freed memory. ``torch.cuda.make_graphed_callables`` refuses
+    ``cache_enabled=True`` for the same reason (torch/cuda/graphs.py)."""
+    if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+        return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+    return contextlib.nullcontext()
 
 
 # --- the runner ------------------------------------------------------------------------------------
@@ -720,6 +737,7 @@ class GraphRunner:
         # Replay is the hot path: a call whose argument kinds, dtypes, ranks, devices and values equal
         # an already accepted call skips the full check (it would pass) and its error formatting.
         quick = _call_pattern(leaves)
+        specs = None
         if not any(_same_value(quick, seen) for seen in self._accepted):
             specs = [ArgSpec.of(n, leaf) for n, leaf in leaves]
             check_inputs(specs, self._spec, strict=self.strict)
@@ -727,11 +745,19 @@ class GraphRunner:
                 raise NoCudaError("GraphRunner needs a CUDA device and none is visible "
                                   "(torch.cuda.is_available() is False); call the model eagerly instead")
             self._check_pad_names([n for n, _ in named])
+        out = self._run(args, kwargs, leaves, named)
+        if specs is not None:
+            # Only now: a first call that failed (a wrong argument, an error in fn) must not become
+            # the argument structure that every later call is checked against.
             if self._spec is None:
                 self._spec = specs
             if len(self._accepted) >= 64:  # a bounded memo, not a record: forget the oldest pattern
                 self._accepted.pop(0)
-            self._accepted.append(quick)  # last: a call that failed a check is never accepted
+            self._accepted.append(quick)
+        return out
+
+    def _run(self, args: tuple, kwargs: dict, leaves: list, named: list) -> Any:
+        """One checked call: pick (or capture) the graph, load, replay, cut back, validate, clone."""
         if self.buckets:
             self._check_bucketed_lengths(named)
         targets = [self._target_shape(t) for _, t in named] if self.buckets else [tuple(t.shape) for _, t in named]
@@ -749,7 +775,11 @@ class GraphRunner:
         self._replays += 1
         out = self._output(entry, args, kwargs, named, targets)
         if entry.info.replays <= self.validate_replays + 1 and entry.info.replays > 1:
-            self._check_replay(out, args, kwargs)
+            try:
+                self._check_replay(out, args, kwargs)
+            except CaptureError:
+                del self._graphs[key]  # else a retry would replay the same stale graph unchecked
+                raise
         if self.clone_outputs:
             return tree_map(torch.clone, out)
         return out
@@ -776,7 +806,7 @@ class GraphRunner:
             with torch.no_grad():
                 expected = self._call(*args, **kwargs)
             learned, ambiguous = _learn_cuts(entry.static_output, expected, padded)
-            out = _apply_cuts(entry.static_output, {**learned, **entry.cuts}, padded)
+            out = _apply_cuts(entry.static_output, {**entry.cuts, **learned}, padded)  # learned: this call's
             if self.validate:
                 self._check_padding(out, expected, self._rtol_for(entry.static_output, {t.dtype for _, t in named}))
             # Stored only once checked (a call after a failed check must fail the same way), and only
@@ -799,16 +829,20 @@ class GraphRunner:
     def _check_replay(self, out: Any, args: tuple, kwargs: dict) -> None:
         with torch.no_grad():
             expected = self._call(*args, **kwargs)
-        rel = max_rel_error(out, expected)
-        rtol = self._rtol_for(out)
-        if not rel <= rtol:
+        try:
+            rel = max_rel_error(out, expected)
+        except InputError as exc:  # eager now returns another structure or shape than the graph
+            rel, why = float("inf"), f"eager now gives other outputs ({exc})"
+        else:
+            why = f"max relative error {rel:.3g} > rtol {self._rtol_for(out):.3g}"
+        if not rel <= self._rtol_for(out):
             raise CaptureError(
-                f"replay {self._replays} of {self!r} differs from eager on the same inputs: max relative "
-                f"error {rel:.3g} > rtol {rtol:.3g}, although replay matched eager at capture. Likely "
-                f"cause: a Python value was baked into the graph at capture and has changed since (a "
-                f"module attribute or Python number read in forward, a 0-dim CPU tensor used as a "
-                f"scalar, a Python branch on CPU-side state). Pass such values as CUDA tensors, or "
-                f"capture a new GraphRunner after changing them.", max_rel_error=rel, cause="baked_value")
+                f"replay {self._replays} of {self!r} differs from eager on the same inputs: {why}, "
+                f"although replay matched eager at capture. Likely cause: a Python value was baked into "
+                f"the graph at capture and has changed since (a module attribute or Python number read "
+                f"in forward, a 0-dim CPU tensor used as a scalar, a Python branch on CPU-side state). "
+                f"Pass such values as CUDA tensors. The graph is dropped: the next call captures a new "
+                f"one with the values as they are then.", max_rel_error=rel, cause="baked_value")
 
     def _rtol_for(self, out: Any, extra: set | None = None) -> float:
         if self.rtol is not None:

@@ -459,3 +459,19 @@ def test_validate_replay_does_not_call_a_nan_replay_stale():
 def test_explain_rejects_what_is_not_an_error():
     with pytest.raises(cg.InputError, match="exception or its message"):
         cg.explain(None)
+
+
+def test_capture_runs_with_the_autocast_cache_off(monkeypatch):
+    """Captured under autocast with its cast cache on, a graph reads cached weight casts that are freed
+    when the autocast context exits (torch.cuda.make_graphed_callables refuses that setting)."""
+    from cgutils.capture import _autocast_without_cache
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with _autocast_without_cache():
+        assert not torch.is_autocast_enabled("cuda")  # outside autocast: nothing changes
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert torch.is_autocast_cache_enabled()
+        with _autocast_without_cache():
+            assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.float16
+            assert not torch.is_autocast_cache_enabled()
+        assert torch.is_autocast_cache_enabled()

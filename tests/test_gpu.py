@@ -309,3 +309,20 @@ def test_pooled_output_as_wide_as_the_bucket_is_not_cut():
         want = bert(input_ids=ids, attention_mask=mask)
     assert got.last_hidden_state.shape == (1, 200, 256) and got.pooler_output.shape == (1, 256)
     assert cg.max_rel_error(got.pooler_output, want.pooler_output) <= 1e-3
+
+
+def test_graph_captured_under_autocast_outlives_the_context():
+    """With autocast's cast cache on during capture, the graph read cached fp16 weights that are freed
+    when the context exits; a later replay (new context, memory reused) read garbage."""
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)).cuda().eval()
+    runner = cg.GraphRunner(lin)
+    x = torch.randn(16, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        runner(x)
+    junk = [torch.full((256, 256), float("nan"), device="cuda", dtype=torch.float16) for _ in range(64)]
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = runner(x)
+        with torch.no_grad():
+            want = lin(x)
+    del junk
+    assert cg.max_rel_error(got, want) <= 1e-2

@@ -222,10 +222,11 @@ def test_validate_replays_compare_with_eager(simulated, monkeypatch):
         graph.static_out.add_(1)
 
     monkeypatch.setattr(graph, "replay", corrupted)
-    with pytest.raises(cg.CaptureError) as err:
+    with pytest.raises(cg.CaptureError, match="next call captures a new one") as err:
         runner(torch.ones(2))
     assert err.value.cause == "baked_value"
-    runner(torch.ones(2))  # beyond validate_replays: no check, as documented
+    # The stale graph is dropped (a retry replayed it unchecked and returned [3, 3]): a new capture.
+    assert torch.equal(runner(torch.ones(2)), torch.full((2,), 2.0)) and len(simulated) == 2
 
 
 def _tiny_bert():
@@ -351,3 +352,51 @@ def test_a_length_returned_as_a_number_is_a_padding_error_without_validation(sim
     with pytest.raises(cg.CaptureError, match=r"output\[1\] is 8 padded vs 5") as err:
         runner(torch.rand(1, 5, 3))
     assert err.value.cause == "padding"
+
+
+
+# --- second review (helper), each failed before its fix ---------------------------------------------------
+
+def test_a_learned_dim_and_a_new_dim_with_the_same_length(simulated):
+    """Dim 0 learned at (5, 8); then (3, 3) pads both dims to 8 with the same length: the stored dim-0
+    cuts replaced this call's learned ones and the output came back (3, 8)."""
+    for validate in (False, True):
+        runner = cg.GraphRunner(lambda x: x * 2, buckets={0: (8,), 1: (8,)}, validate=validate)
+        runner(torch.rand(5, 8))
+        x = torch.rand(3, 3)
+        torch.testing.assert_close(runner(x), x * 2)
+
+
+def test_a_failed_first_call_does_not_fix_the_argument_structure(simulated):
+    emb = torch.nn.Embedding(10, 4)
+    runner = cg.GraphRunner(emb)
+    with pytest.raises(RuntimeError):
+        runner(torch.rand(2, 3))  # float indices: fails inside the module
+    ids = torch.randint(0, 10, (2, 3))
+    torch.testing.assert_close(runner(ids), emb(ids))
+
+    def f(x, mask):
+        return x * mask
+
+    runner = cg.GraphRunner(f)
+    with pytest.raises(TypeError):
+        runner(torch.ones(2))  # mask missing
+    assert torch.equal(runner(torch.ones(2), torch.zeros(2)), torch.zeros(2))
+
+
+def test_a_replay_check_that_meets_other_shapes_is_a_capture_error(simulated):
+    """A baked value that changes the output's shape came out of validate_replays as a bare InputError."""
+    class M(torch.nn.Module):
+        n = 2
+
+        def forward(self, x):
+            return x[: self.n] * 2
+
+    model = M()
+    runner = cg.GraphRunner(model, validate_replays=2)
+    runner(torch.ones(4))
+    simulated[0].replay = lambda: None  # as a real graph would: the slice length stays baked in
+    model.n = 3
+    with pytest.raises(cg.CaptureError, match="eager now gives other outputs") as err:
+        runner(torch.ones(4))
+    assert err.value.cause == "baked_value"
