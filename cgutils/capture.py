@@ -780,8 +780,6 @@ class GraphRunner:
             except CaptureError:
                 del self._graphs[key]  # else a retry would replay the same stale graph unchecked
                 raise
-        if self.clone_outputs:
-            return tree_map(torch.clone, out)
         return out
 
     def _load(self, entry: _Graph, named: list) -> None:
@@ -790,7 +788,8 @@ class GraphRunner:
             _copy_padded(buf, t, self._pad_of(name))
 
     def _output(self, entry: _Graph, args: tuple, kwargs: dict, named: list, targets: list) -> Any:
-        """The graph's static outputs, cut back to the caller's lengths along the padded dims.
+        """The graph's static outputs, cut back to the caller's lengths along the padded dims, and
+        cloned with ``clone_outputs`` (in the same pass: rebuilding a ModelOutput costs µs).
 
         Which output dims follow a padded input dim is learned per graph, from the first call that pads
         that dim, by one eager call at the caller's shapes: the dims whose size is the bucket in the
@@ -800,13 +799,14 @@ class GraphRunner:
         """
         padded = {dim: (tg[dim], t.shape[dim]) for (_, t), tg in zip(named, targets, strict=True)
                   for dim in self.buckets if t.dim() > dim and tg[dim] != t.shape[dim]}
+        clone = self.clone_outputs
         if not padded:
-            return entry.static_output
+            return tree_map(torch.clone, entry.static_output) if clone else entry.static_output
         if not padded.keys() <= entry.cuts.keys():
             with torch.no_grad():
                 expected = self._call(*args, **kwargs)
             learned, ambiguous = _learn_cuts(entry.static_output, expected, padded)
-            out = _apply_cuts(entry.static_output, {**entry.cuts, **learned}, padded)  # learned: this call's
+            out = _apply_cuts(entry.static_output, {**entry.cuts, **learned}, padded, clone)  # learned: this call's
             if self.validate:
                 self._check_padding(out, expected, self._rtol_for(entry.static_output, {t.dtype for _, t in named}))
             # Stored only once checked (a call after a failed check must fail the same way), and only
@@ -814,7 +814,7 @@ class GraphRunner:
             # correctly now, but which one an output dim follows is learned at a later call.
             entry.cuts = {**{k: v for k, v in learned.items() if k not in ambiguous}, **entry.cuts}
             return out
-        return _apply_cuts(entry.static_output, entry.cuts, padded)
+        return _apply_cuts(entry.static_output, entry.cuts, padded, clone)
 
     def _fallback(self, args: tuple, kwargs: dict, named: list) -> Any:
         self._fallbacks += 1
@@ -1034,8 +1034,10 @@ def _learn_cuts(replayed: Any, expected: Any,
     return cuts, ambiguous
 
 
-def _apply_cuts(out: Any, cuts: dict[int, list[tuple[int, ...]]], padded: dict[int, tuple[int, int]]) -> Any:
-    """Narrow each output tensor along the dims learned by :func:`_learn_cuts` to the caller's lengths."""
+def _apply_cuts(out: Any, cuts: dict[int, list[tuple[int, ...]]], padded: dict[int, tuple[int, int]],
+                clone: bool = False) -> Any:
+    """Narrow each output tensor along the dims learned by :func:`_learn_cuts` to the caller's lengths
+    (and clone the result, with ``clone``)."""
     index = itertools.count()
 
     def cut(x: torch.Tensor) -> torch.Tensor:
@@ -1043,7 +1045,7 @@ def _apply_cuts(out: Any, cuts: dict[int, list[tuple[int, ...]]], padded: dict[i
         for k, (_, real) in padded.items():
             for d in cuts[k][i]:
                 x = x.narrow(d, 0, real)
-        return x
+        return x.clone() if clone else x
 
     return tree_map(cut, out)
 

@@ -400,3 +400,11 @@ def test_a_replay_check_that_meets_other_shapes_is_a_capture_error(simulated):
     with pytest.raises(cg.CaptureError, match="eager now gives other outputs") as err:
         runner(torch.ones(4))
     assert err.value.cause == "baked_value"
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_padded_outputs_are_cloned_or_views_of_the_static_output(simulated, clone):
+    runner = cg.GraphRunner(lambda x: x + 1, buckets={1: (8,)}, clone_outputs=clone)
+    first = runner(torch.zeros(1, 5))
+    runner(torch.full((1, 5), 10.0))
+    assert torch.equal(first, torch.full((1, 5), 11.0 if not clone else 1.0))
