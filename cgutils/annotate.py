@@ -128,10 +128,7 @@ def annotate_modules(model: nn.Module, depth: int = 1, prefix: str | None = None
         rng = nvtx_range(label, color)
         handles.append(mod.register_forward_pre_hook(lambda m, a, rng=rng: rng.__enter__() and None))
         close = lambda m, a, o, rng=rng: rng.__exit__(None, None, None)  # noqa: E731
-        try:  # always_call: close the range even when forward raises (torch >= 2.2)
-            handles.append(mod.register_forward_hook(close, always_call=True))
-        except TypeError:
-            handles.append(mod.register_forward_hook(close))
+        handles.append(mod.register_forward_hook(close, always_call=True))  # closes it when forward raises too
         names.append(label)
     return ModuleAnnotations(handles, names)
 

@@ -24,7 +24,7 @@ from . import env
 from .capture import GraphRunner, capture_graph
 from .errors import NoCudaError
 from .overhead import gpu_activity
-from .timing import measure
+from .timing import measure, summarize
 from .workloads import WORKLOADS, Built, get_workload
 
 VARIANTS = ("eager", "graph_runner", "raw_graph", "compile_ro")
@@ -118,8 +118,7 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, bar)
                 t = measure(lambda step=step: built.iterate(step, inputs), warmup=5, iters=iters)
             rows.append({**row, **t.as_dict(), "setup_s": setup_s, "status": "ok"})
         except Exception as exc:  # one failing variant must not lose the rest of the table
-            first = (str(exc).splitlines() or [""])[0][:200]
-            rows.append({**row, "status": f"error: {type(exc).__name__}: {first}"})
+            rows.append({**row, "status": _error_status(exc, 200)})
         bar.update()
     return rows
 
@@ -232,15 +231,15 @@ DECODER_LABELS = {"hf_dynamic": "transformers generate (dynamic cache)",
                   "cgutils_compile": 'cgutils static cache, torch.compile("reduce-overhead")'}
 
 
+def _error_status(exc: BaseException, limit: int) -> str:
+    """A table's status cell for a variant that failed: the exception class and its first line."""
+    return f"error: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:limit]}"
+
+
 def _gpt2(dtype: str):
     if not env.cuda_available():
         raise NoCudaError("the generation benchmarks measure on a CUDA GPU and none is visible")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from .workloads import DTYPES
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config()).to(device="cuda", dtype=DTYPES[dtype]).eval()
+    return get_workload("gpt2-generate100").build(dtype, "cuda").model  # the speedup table's GPT-2, same weights
 
 
 def generation_table(dtype: str = "fp16", batch: int = 1, prompt_len: int = 32, new_tokens: int = 100,
@@ -289,8 +288,7 @@ def generation_table(dtype: str = "fp16", batch: int = 1, prompt_len: int = 32, 
             rows.append({**row, **t.as_dict(), "setup_s": setup_s, "status": "ok",
                          "same_tokens_as_hf": bool(torch.equal(out, reference))})
         except Exception as exc:  # report, do not lose the other rows
-            first = (str(exc).splitlines() or [""])[0][:200]
-            rows.append({**row, "status": f"error: {type(exc).__name__}: {first}"})
+            rows.append({**row, "status": _error_status(exc, 200)})
     df = pd.DataFrame(rows)
     if "median_ms" in df:
         df["ms_per_token"] = df["median_ms"] / new_tokens
@@ -387,8 +385,7 @@ def _measure_method(wname: str, method: str, dtype: str, iters: int) -> dict:
             t = measure(lambda: step(*args), warmup=10, iters=iters)
         return {**row, **t.as_dict(), "setup_s": setup_s, "extra_reserved_bytes": extra, "status": "ok"}
     except Exception as exc:  # how a method fails is part of the comparison
-        first = (str(exc).splitlines() or [""])[0][:240]
-        return {**row, "status": f"error: {type(exc).__name__}: {first}"}
+        return {**row, "status": _error_status(exc, 240)}
 
 
 def graph_methods_table(workloads: Iterable[str] = ("bert-base-seq128", "resnet50"), dtype: str = "fp16",
@@ -543,7 +540,6 @@ def validation_cost(seqs: Iterable[int] = (128, 512), dtype: str = "fp16", repea
     Raises:
         NoCudaError: without a CUDA device.
     """
-    import numpy as np
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -567,7 +563,7 @@ def validation_cost(seqs: Iterable[int] = (128, 512), dtype: str = "fp16", repea
                 times[validate].append((time.perf_counter() - t0) * 1e3)
                 del runner
         for validate, ts in times.items():
-            rows.append({"seq": n, "validate": validate, "capture_ms": float(np.median(ts)),
-                         "p10_ms": float(np.percentile(ts, 10)), "p90_ms": float(np.percentile(ts, 90)),
-                         "gpu": torch.cuda.get_device_name(0)})
+            t = summarize(ts, "perf_counter")
+            rows.append({"seq": n, "validate": validate, "capture_ms": t.median_ms, "p10_ms": t.p10_ms,
+                         "p90_ms": t.p90_ms, "gpu": torch.cuda.get_device_name(0)})
     return pd.DataFrame(rows)

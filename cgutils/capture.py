@@ -694,8 +694,7 @@ class GraphRunner:
         names = self._names.get(pattern)
         if names is None:
             names = self._names[pattern] = _param_names(self.fn, len(args), tuple(kwargs))
-        return [leaf for name, (kind, k) in names
-                for leaf in tree_leaves(args[k] if kind == "a" else kwargs[k], name)]
+        return _named_leaves(names, args, kwargs)
 
     def _target_shape(self, t: torch.Tensor) -> tuple[int, ...] | None:
         """The bucketed shape of ``t``, or None when a dimension is above its largest bucket."""
@@ -829,13 +828,14 @@ class GraphRunner:
     def _check_replay(self, out: Any, args: tuple, kwargs: dict) -> None:
         with torch.no_grad():
             expected = self._call(*args, **kwargs)
+        rtol = self._rtol_for(out)
         try:
             rel = max_rel_error(out, expected)
         except InputError as exc:  # eager now returns another structure or shape than the graph
             rel, why = float("inf"), f"eager now gives other outputs ({exc})"
         else:
-            why = f"max relative error {rel:.3g} > rtol {self._rtol_for(out):.3g}"
-        if not rel <= self._rtol_for(out):
+            why = f"max relative error {rel:.3g} > rtol {rtol:.3g}"
+        if not rel <= rtol:
             raise CaptureError(
                 f"replay {self._replays} of {self!r} differs from eager on the same inputs: {why}, "
                 f"although replay matched eager at capture. Likely cause: a Python value was baked into "
@@ -1148,7 +1148,12 @@ def _param_names(fn: Callable[..., Any], n_args: int, kw_names: tuple) -> list[t
     return out
 
 
+def _named_leaves(names: list[tuple[str, tuple]], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """Every argument leaf as ``(name, leaf)``, named after its parameter (``names`` from :func:`_param_names`)."""
+    return [leaf for name, (kind, k) in names
+            for leaf in tree_leaves(args[k] if kind == "a" else kwargs[k], name)]
+
+
 def _bind_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     """Name each argument leaf after the parameter it binds to, for error messages."""
-    return [leaf for name, (kind, k) in _param_names(fn, len(args), tuple(kwargs))
-            for leaf in tree_leaves(args[k] if kind == "a" else kwargs[k], name)]
+    return _named_leaves(_param_names(fn, len(args), tuple(kwargs)), args, kwargs)

@@ -211,17 +211,14 @@ def launch_bound_table(progress: bool = True):
     from .workloads import WORKLOADS
 
     _need_cuda("launch_bound_table")
-    cases: list[tuple[str, Callable[[], Any]]] = []
 
-    def bert():
-        b = WORKLOADS["bert-base-seq128"].build("fp16", "cuda")
-        args = b.inputs(0)
-        return lambda: b.step(*args)
+    def single(workload: str) -> Callable[[], Callable[[], Any]]:
+        def make():
+            b = WORKLOADS[workload].build("fp16", "cuda")
+            args = b.inputs(0)
+            return lambda: b.step(*args)
 
-    def resnet():
-        b = WORKLOADS["resnet50"].build("fp16", "cuda")
-        args = b.inputs(0)
-        return lambda: b.step(*args)
+        return make
 
     def gpt2_step():
         b = WORKLOADS["gpt2-generate100"].build("fp16", "cuda")
@@ -230,7 +227,8 @@ def launch_bound_table(progress: bool = True):
             state.prefill(b.inputs(0)[0])
         return state.decode_step
 
-    cases = [("BERT-base seq128", bert), ("ResNet-50", resnet), ("GPT-2 decode step", gpt2_step)]
+    cases = [("BERT-base seq128", single("bert-base-seq128")), ("ResNet-50", single("resnet50")),
+             ("GPT-2 decode step", gpt2_step)]
     rows = []
     for name, make in tqdm(cases, desc="launch-bound fraction", disable=not progress):
         with torch.no_grad():

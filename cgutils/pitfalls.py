@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import GraphRunner, max_rel_error, reset_rng_after_failed_capture, validate_replay
+from .capture import GraphRunner, capture_graph, max_rel_error, reset_rng_after_failed_capture, validate_replay
 from .diagnose import explain
 from .errors import CaptureError, CgutilsError, InputError, NoCudaError
 
@@ -169,12 +169,9 @@ def _sync_entry(key: str, title: str, bad: Callable, op: str) -> Pitfall:
 
 
 def _doubling_graph(x):
-    """A hand-written graph of y = 2x: returns its static input, the graph and its static output."""
+    """A graph of y = 2x, no GraphRunner around it: returns its static input, the graph and its static output."""
     static_x = x.clone()
-    g = torch.cuda.CUDAGraph()
-    _warm(lambda: static_x * 2)
-    with torch.cuda.graph(g):
-        static_y = static_x * 2
+    g, static_y = capture_graph(lambda: static_x * 2, warmup=2)
     return static_x, g, static_y
 
 
@@ -339,16 +336,6 @@ def _new_shape_fn(x):
 
 
 # --- capture mechanics: warm-up, autotuning, streams ------------------------------------------------
-
-
-def _warm(fn: Callable[[], Any]) -> None:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
 
 
 def _raw_failure(exc: BaseException) -> dict:

@@ -194,10 +194,7 @@ class ResultsStore:
             p.parent.mkdir(parents=True, exist_ok=True)
             _write_json(p, prov)
         # one format per name: a stale file of the other format would shadow this one on load
-        for other in (".csv", ".json"):
-            stale = self._value_path(name, other)
-            if stale.exists() and (other == ".csv") != _is_frame(value):
-                stale.unlink()
+        self._value_path(name, ".json" if _is_frame(value) else ".csv").unlink(missing_ok=True)
         if _is_frame(value):
             return self.save_frame(name, value)
         p = self._value_path(name, ".json")

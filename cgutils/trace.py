@@ -306,7 +306,8 @@ def load_trace(path: str | Path) -> Trace:
             if not isinstance(ev, dict):
                 skip("not an object")
                 continue
-            table = _CATEGORY.get(str(ev.get("cat", "")).lower())
+            cat = str(ev.get("cat", "")).lower()
+            table = _CATEGORY.get(cat)
             if table is None:
                 continue
             if ev.get("ph", "X") != "X":
@@ -320,21 +321,22 @@ def load_trace(path: str | Path) -> Trace:
             except (TypeError, ValueError, OverflowError):
                 skip("ts or dur not a finite number (or dur < 0)")
                 continue
-            args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+            args = ev.get("args")
+            args = args if isinstance(args, dict) else {}
             corr = args.get("correlation", -1)
             if table == "ops":
                 rows["ops"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), args.get("External id")))
             elif table == "runtime":
-                api = "driver" if str(ev.get("cat", "")).lower() == "cuda_driver" else "runtime"
+                api = "driver" if cat == "cuda_driver" else "runtime"
                 rows["runtime"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), corr, api))
             elif table == "kernels":
                 rows["kernels"].append((name, ts, dur, args.get("device"), args.get("stream", ev.get("tid")), corr))
             elif table == "memory":
-                kind = "memset" if "memset" in str(ev.get("cat", "")).lower() else "memcpy"
+                kind = "memset" if "memset" in cat else "memcpy"
                 rows["memory"].append((name, ts, dur, args.get("device"), args.get("stream", ev.get("tid")), corr,
                                        kind, args.get("bytes")))
             else:
-                side = "gpu" if str(ev.get("cat", "")).lower().startswith("gpu") else "cpu"
+                side = "gpu" if cat.startswith("gpu") else "cpu"
                 rows["annotations"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), side))
     except ijson.IncompleteJSONError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unexpected end"

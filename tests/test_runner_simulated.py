@@ -27,7 +27,7 @@ from cgutils.capture import tree_leaves
 
 class _SimulatedGraph:
     def __init__(self, fn, static_out):
-        self.fn, self.static_out, self.replays = fn, static_out, 0
+        self.fn, self.static_out = fn, static_out
 
     def replay(self):
         with torch.no_grad():
@@ -35,7 +35,6 @@ class _SimulatedGraph:
         for (_, dst), (_, src) in zip(tree_leaves(self.static_out), tree_leaves(fresh), strict=True):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
-        self.replays += 1
 
 
 def _simulated_capture(fn, *, warmup=3, pool=None, on_last_warmup=None, what="function", debug=False):
