@@ -525,6 +525,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
     Raises:
         CaptureError: capture failed; ``.original`` holds the error, ``.explanation`` cause and fix.
     """
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+        raise InputError(f"warmup must be an int >= 1 (lazy initialisation must not be captured), got {warmup!r}")
     side = _warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with _autocast_without_cache():
@@ -597,7 +599,8 @@ class GraphRunner:
             length. Outputs are cut back to the caller's length along the dims that follow it: the
             first call that pads a dim of a graph's inputs also runs ``fn`` eagerly once, at the
             caller's shapes, to see which output dims those are, and with ``validate`` to check that
-            padding left the result alone (so ``fn`` must also run at unpadded lengths; the call
+            padding left that call's result alone (one sample: ``validate_replays`` checks more calls;
+            ``fn`` must also run at unpadded lengths; the call
             repeats after a failed check, or while two padded dims share a length and bucket).
             A size above the largest bucket runs eagerly (counted in
             ``stats.fallbacks``, with one warning). Padding must not change the real positions'
@@ -871,6 +874,9 @@ class GraphRunner:
         """
         if not self.buckets:
             raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
+        if not any(isinstance(t, torch.Tensor) for _, t in self._leaves(args, kwargs)):
+            raise InputError("capture_buckets needs an example call, e.g. runner.capture_buckets(input_ids=ids, "
+                             "attention_mask=mask): it is padded to each bucket to capture its graph")
         self._check_bucketed_lengths([(n, t) for n, t in self._leaves(args, kwargs) if isinstance(t, torch.Tensor)])
 
         dims = sorted(self.buckets)
@@ -943,6 +949,14 @@ class GraphRunner:
                     f"capture). Call model.eval(), keep control flow on the GPU (torch.where), or raise "
                     f"rtol if the difference is numerical noise.", max_rel_error=rel, cause="baked_value")
 
+        opaque = sorted({type(v).__name__ for _, v in tree_leaves(static_out)
+                         if not isinstance(v, torch.Tensor) and not _is_plain(v)})
+        if opaque:
+            warnings.warn(
+                f"{self!r}: the outputs hold {', '.join(opaque)}, which GraphRunner cannot look inside: tensors "
+                f"in them are static buffers that each replay overwrites, never cloned, cut back or validated "
+                f"(a transformers cache, say: pass use_cache=False). Return plain tensors, tuples, lists, "
+                f"dicts or dataclasses instead.", stacklevel=4)
         out_bytes = sum(t.numel() * t.element_size() for _, t in tree_leaves(static_out)
                         if isinstance(t, torch.Tensor))
         signature = ", ".join(f"{n}:{tg} {str(t.dtype).replace('torch.', '')}"
@@ -1132,11 +1146,24 @@ def _param_names(fn: Callable[..., Any], n_args: int, kw_names: tuple) -> list[t
     """Parameter name and source of every argument for one call pattern, for error messages."""
     target = fn.forward if isinstance(fn, nn.Module) else fn
     fallback = [(f"args[{i}]", ("a", i)) for i in range(n_args)] + [(k, ("k", k)) for k in kw_names]
+    positional = [_Marker(("a", i)) for i in range(n_args)]
+    keywords = {k: _Marker(("k", k)) for k in kw_names}
     try:
-        bound = inspect.signature(target).bind(*(_Marker(("a", i)) for i in range(n_args)),
-                                               **{k: _Marker(("k", k)) for k in kw_names}).arguments
+        sig = inspect.signature(target)
     except (TypeError, ValueError):
         return fallback
+    # bind_partial, not bind: a call that leaves out an argument still gets its real names, so that an
+    # error about the missing one names it (and not every argument as args[i]).
+    try:
+        bound = sig.bind_partial(*positional, **keywords).arguments
+    except TypeError:  # an unknown keyword: name the positionals, keep the keywords' own names
+        try:
+            bound = sig.bind_partial(*positional).arguments
+        except TypeError:
+            return fallback
+        if set(bound) & set(keywords):
+            return fallback
+        bound = {**bound, **keywords}
     out: list[tuple[str, tuple]] = []
     for name, v in bound.items():
         if isinstance(v, _Marker):

@@ -203,6 +203,8 @@ def test_outputs_with_objects_and_values_pass_validation(simulated):
         pass
 
     runner = cg.GraphRunner(lambda x: (x * 2, Cache(), "label"), validate_replays=2)
+    with pytest.warns(UserWarning, match="outputs hold Cache, which GraphRunner cannot look inside"):
+        runner(torch.full((2,), 1.0))
     for v in (1.0, 2.0, 3.0):
         out = runner(torch.full((2,), v))
         assert torch.equal(out[0], torch.full((2,), 2 * v)) and out[2] == "label"
@@ -407,3 +409,45 @@ def test_padded_outputs_are_cloned_or_views_of_the_static_output(simulated, clon
     first = runner(torch.zeros(1, 5))
     runner(torch.full((1, 5), 10.0))
     assert torch.equal(first, torch.full((1, 5), 11.0 if not clone else 1.0))
+
+
+
+# --- new-user walkthrough (helper), each failed before its fix ---------------------------------------------
+
+def test_a_transformers_cache_in_the_outputs_is_warned_about(simulated):
+    """GPT-2 returns a cache object by default; its tensors are static buffers that were neither cloned nor
+    cut back, silently: every call got the same cache object, at the padded length."""
+    from transformers import GPT2Config, GPT2Model
+
+    model = GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).eval()
+    runner = cg.GraphRunner(model, buckets={1: (8,)})
+    ids = torch.randint(0, 100, (1, 5))
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        runner(ids, attention_mask=torch.ones_like(ids))
+    quiet = cg.GraphRunner(model, buckets={1: (8,)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+
+
+def test_a_left_out_argument_is_named(simulated):
+    def forward(input_ids, attention_mask=None):
+        return input_ids * (1 if attention_mask is None else attention_mask)
+
+    runner = cg.GraphRunner(forward)
+    ids = torch.ones(1, 4)
+    runner(ids, ids)
+    with pytest.raises(cg.InputError, match=r"missing: \['attention_mask'\], new: none"):
+        runner(ids)
+    with pytest.raises(cg.InputError, match=r"missing: none, new: \['bogus'\]"):
+        runner(ids, ids, bogus=1)
+
+
+def test_capture_buckets_without_an_example_is_an_input_error(simulated):
+    with pytest.raises(cg.InputError, match="needs an example call"):
+        cg.GraphRunner(lambda x: x, buckets={1: (8,)}).capture_buckets()
+
+
+def test_capture_graph_refuses_no_warmup():
+    with pytest.raises(cg.InputError, match="warmup must be an int >= 1"):
+        capture.capture_graph(lambda: None, warmup=0)
