@@ -3,31 +3,72 @@
 Public API (re-exports only; each name lives in the module that owns it).
 """
 
-from .annotate import annotate_modules, nvtx_range
-from .capture import GraphInfo, GraphRunner, RunnerStats, max_rel_error, validate_replay
-from .diagnose import SyncPoint, SyncRecorder, explain, find_sync_points
+from .annotate import annotate_modules, nvtx_range, range_overhead_us
+from .bench import (
+    DECODER_LABELS,
+    METHOD_LABELS,
+    SUITES,
+    VARIANT_LABELS,
+    batch_sweep,
+    decode_step_times,
+    generation_table,
+    graph_methods_table,
+    memory_table,
+    method_targets,
+    speedup_table,
+    summary_table,
+    validation_cost,
+)
+from .capture import (
+    CudaBackend,
+    GraphInfo,
+    GraphRunner,
+    RunnerStats,
+    capture_graph,
+    graph_node_types,
+    max_rel_error,
+    pool_reserved_bytes,
+    reset_rng_after_failed_capture,
+    validate_replay,
+)
+from .diagnose import SyncPoint, SyncRecorder, explain, find_sync_points, user_code
 from .env import mode, provenance
 from .errors import (
-                     CaptureError,
-                     CgutilsError,
-                     InputError,
-                     NoCudaError,
-                     RecordedCellError,
-                     RecordingError,
-                     StaleRecordingError,
-                     TraceFormatError,
+    CaptureError,
+    CgutilsError,
+    InputError,
+    NoCudaError,
+    RecordedCellError,
+    RecordingError,
+    StaleRecordingError,
+    TraceFormatError,
 )
-from .recorded import ResultsStore, check_recordings, setup_notebook
+from .generation import GreedyDecoder, StaticKVState, hf_generate
+from .overhead import gpu_activity, runtime_calls
+from .pitfalls import PITFALLS, DropoutNet, Scaled
+from .recorded import setup_notebook
+from .store import ResultsStore, check_recordings, current_store
 from .timing import Timing, device_sync, measure
 from .trace import Trace, compare, load_trace, profile
 from .workloads import WORKLOADS, get_workload
 
 __all__ = [
-    "GraphRunner", "RunnerStats", "GraphInfo", "max_rel_error", "validate_replay", "explain", "find_sync_points",
-    "SyncPoint", "SyncRecorder", "RecordedCellError", "mode", "provenance",
+    # capture and replay
+    "GraphRunner", "RunnerStats", "GraphInfo", "CudaBackend", "capture_graph", "pool_reserved_bytes",
+    "reset_rng_after_failed_capture", "graph_node_types", "max_rel_error", "validate_replay",
+    # diagnosis and the pitfall catalogue
+    "explain", "find_sync_points", "user_code", "SyncPoint", "SyncRecorder", "PITFALLS", "DropoutNet", "Scaled",
+    # errors
     "CaptureError", "CgutilsError", "InputError", "NoCudaError", "RecordingError", "StaleRecordingError",
-    "ResultsStore", "check_recordings", "setup_notebook", "Timing", "device_sync", "measure",
-    "WORKLOADS", "get_workload", "nvtx_range", "annotate_modules", "TraceFormatError", "Trace", "compare",
-    "load_trace", "profile",
+    "RecordedCellError", "TraceFormatError",
+    # timing, annotation, traces, launch overhead
+    "Timing", "device_sync", "measure", "nvtx_range", "annotate_modules", "range_overhead_us", "Trace",
+    "compare", "load_trace", "profile", "gpu_activity", "runtime_calls",
+    # workloads, generation, benchmark suites
+    "WORKLOADS", "get_workload", "GreedyDecoder", "StaticKVState", "hf_generate", "SUITES", "speedup_table",
+    "summary_table", "graph_methods_table", "method_targets", "memory_table", "validation_cost",
+    "generation_table", "decode_step_times", "batch_sweep", "VARIANT_LABELS", "METHOD_LABELS", "DECODER_LABELS",
+    # results store, recorded notebooks, environment
+    "ResultsStore", "current_store", "check_recordings", "setup_notebook", "mode", "provenance",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,6 @@
-"""Capture diagnostics: turn a CUDA error raised during graph capture into a cause and a fix.
+"""Capture diagnostics: turn a CUDA error raised during graph capture into a cause and a fix
+(:func:`explain`), and list the CPU-GPU syncs a function makes, each at the user's own line
+(:func:`find_sync_points`; which files are the user's is its ``user_files`` argument, or :func:`user_code`).
 
 The patterns below match the error texts that PyTorch and the CUDA runtime raise when a captured
 region does something a graph cannot hold. CUDA's meaning of each error code is from the CUDA Runtime
@@ -8,19 +10,23 @@ API reference, "Graph Management" and "Stream Management" (``cudaStreamBeginCapt
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import os
 import re
 import sysconfig
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import InputError, NoCudaError
+from .checks import require_cuda
+from .errors import InputError
 
 
 @dataclass(frozen=True)
@@ -117,14 +123,56 @@ def explain(exc: BaseException | str) -> Explanation | None:
 # --- sync points -----------------------------------------------------------------------------------
 
 _SYNC_WARNING = "synchronizing CUDA operation"  # text of PyTorch's sync debug-mode warning
+# Not the user's code by default: torch, the standard library, and cgutils' own machinery (subpackages too).
 _SKIP_DIRS = tuple(str(p) for p in {Path(torch.__file__).resolve().parent,
-                                      Path(sysconfig.get_paths()["stdlib"]).resolve()})
-_PACKAGE = Path(__file__).resolve().parent
-# cgutils' own frames are machinery around the user's function, except the pitfall reproducers,
-# which stand in for user code.
-_USER_MODULES = {"pitfalls.py"}
+                                      Path(sysconfig.get_paths()["stdlib"]).resolve()}) + (
+    str(Path(__file__).resolve().parent) + os.sep,)
+# The user's files for calls made without user_files= (GraphRunner's own diagnosis of a failed capture):
+# set by user_code(); None means every frame outside _SKIP_DIRS.
+_USER_FILES: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("cgutils_user_files",
+                                                                                    default=None)
 
 SYNC_COLUMNS = ["op", "file", "line", "code", "function"]
+UserFiles = Iterable[str | os.PathLike]
+
+
+def _file_key(filename: str) -> str:
+    """A frame's file as compared: resolved for a real path, as is for ``<...>`` names (notebook cells)."""
+    return filename if filename.startswith("<") else str(Path(filename).resolve())
+
+
+def _user_file_set(user_files: UserFiles | None) -> frozenset[str] | None:
+    if user_files is None:
+        return _USER_FILES.get()
+    if isinstance(user_files, (str, os.PathLike)):
+        user_files = [user_files]  # one file, not its characters
+    try:
+        return frozenset(_file_key(os.fspath(f)) for f in user_files)
+    except TypeError as exc:
+        raise InputError(f"user_files must be file paths (str or pathlib.Path), e.g. [__file__]; got "
+                         f"{user_files!r}") from exc
+
+
+@contextmanager
+def user_code(user_files: UserFiles) -> Iterator[None]:
+    """Inside the block, sync points found without an explicit ``user_files`` argument (for instance by
+    ``GraphRunner`` diagnosing a failed capture) are attributed to frames of ``user_files`` only.
+
+    For code that calls cgutils on a user's behalf from inside cgutils (the pitfall catalogue), where
+    the default, "everything outside torch, the standard library and cgutils", would skip the user's
+    function. Applies to the current thread (a ``contextvars`` value).
+
+    Args:
+        user_files: paths (``str`` or ``pathlib.Path``) whose frames are the user's code, e.g. ``[__file__]``.
+
+    Raises:
+        InputError: ``user_files`` holds something that is not a path.
+    """
+    token = _USER_FILES.set(_user_file_set(user_files))
+    try:
+        yield
+    finally:
+        _USER_FILES.reset(token)
 
 
 @dataclass(frozen=True)
@@ -135,8 +183,8 @@ class SyncPoint:
         op: the PyTorch call that synchronised, e.g. ``Tensor.item``, ``Tensor.__bool__`` (a Python
             ``if`` on a tensor), ``torch.nonzero``, ``Tensor.__getitem__`` (boolean-mask indexing),
             ``torch.cuda.synchronize``.
-        file, line: the innermost frame outside torch, cgutils and the standard library: the user's
-            line that made the call.
+        file, line: the innermost frame of the user's code (see ``user_files`` of
+            :func:`find_sync_points`): the user's line that made the call.
         code: the source text of that line (empty when unavailable).
         function: the function that line is in.
     """
@@ -151,14 +199,15 @@ class SyncPoint:
         return f"{self.op} at {Path(self.file).name}:{self.line} ({self.code or self.function})"
 
 
-def _user_frame(stack: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+def _user_frame(stack: list[traceback.FrameSummary],
+                user_files: frozenset[str] | None) -> traceback.FrameSummary | None:
     for fr in reversed(stack):
-        name = str(Path(fr.filename).resolve()) if not fr.filename.startswith("<") else fr.filename
-        if fr.filename.startswith("<frozen") or name.startswith(_SKIP_DIRS):
-            continue
-        if Path(name).parent == _PACKAGE and Path(name).name not in _USER_MODULES:
-            continue
-        return fr
+        name = _file_key(fr.filename)
+        if user_files is not None:
+            if name in user_files:
+                return fr
+        elif not (fr.filename.startswith("<frozen") or name.startswith(_SKIP_DIRS)):
+            return fr
     return None
 
 
@@ -198,10 +247,17 @@ class SyncRecorder:
     "torch.cuda.set_sync_debug_mode"), catching its warnings with the Python stack at the moment they
     are raised, and wrapping ``torch.cuda.synchronize``, which the debug mode does not report.
     ``points`` holds one :class:`SyncPoint` per sync, in order.
+
+    Args:
+        user_files: the files whose frames are the user's code; as in :func:`find_sync_points`.
+
+    Raises:
+        InputError: ``user_files`` holds something that is not a path.
     """
 
-    def __init__(self):
+    def __init__(self, user_files: UserFiles | None = None):
         self.points: list[SyncPoint] = []
+        self._user_files = _user_file_set(user_files)
         self._tracker = _OpTracker()
         self._last_call: int | None = None
 
@@ -211,7 +267,7 @@ class SyncRecorder:
         if call is not None and call == self._last_call:
             return
         self._last_call = call
-        fr = _user_frame(traceback.extract_stack()[:-2])
+        fr = _user_frame(traceback.extract_stack()[:-2], self._user_files)
         if fr is None:
             return
         self.points.append(SyncPoint(op or "unknown op", fr.filename, fr.lineno or 0,
@@ -258,7 +314,7 @@ class SyncRecorder:
         return pd.DataFrame([dataclasses.asdict(p) for p in self.points], columns=SYNC_COLUMNS)
 
 
-def find_sync_points(fn: Callable[..., Any], *args: Any, **kwargs: Any):
+def find_sync_points(fn: Callable[..., Any], *args: Any, user_files: UserFiles | None = None, **kwargs: Any):
     """Run ``fn(*args, **kwargs)`` once eagerly (under ``torch.no_grad()``) and list every CPU-GPU
     synchronisation it makes: each one is a call that cannot be captured into a CUDA graph.
 
@@ -269,7 +325,14 @@ def find_sync_points(fn: Callable[..., Any], *args: Any, **kwargs: Any):
 
     Args:
         fn: the function or module to run; its tensors must be on the GPU for syncs to exist.
-        args, kwargs: its arguments.
+        args, kwargs: its arguments (a keyword argument named ``user_files`` is taken as the one below,
+            not passed to ``fn``).
+        user_files: the files that hold the user's code, as paths (``str`` or ``pathlib.Path``; one path
+            or an iterable of them); each sync is reported at the innermost frame from one of these files,
+            and a sync made with none of them on the stack is not listed. Frames of code typed into a
+            notebook cell or ``exec`` are named as Python names them (``"<recorded cell ...>"``). Default
+            ``None``: the files set by an enclosing :func:`user_code` block, else every file outside
+            torch, the standard library and cgutils.
 
     Returns:
         ``pandas.DataFrame`` with columns ``op`` (e.g. ``Tensor.item``), ``file``, ``line`` (the user's
@@ -278,11 +341,11 @@ def find_sync_points(fn: Callable[..., Any], *args: Any, **kwargs: Any):
 
     Raises:
         NoCudaError: no CUDA device is visible (without one nothing ever synchronises).
+        InputError: ``user_files`` holds something that is not a path.
         Any exception ``fn`` itself raises.
     """
-    if not torch.cuda.is_available():
-        raise NoCudaError("find_sync_points needs a CUDA device: on the CPU no call synchronises with a GPU")
-    with SyncRecorder() as rec, torch.no_grad():
+    require_cuda("find_sync_points", "on the CPU no call synchronises with a GPU, so there is nothing to find")
+    with SyncRecorder(user_files) as rec, torch.no_grad():
         fn(*args, **kwargs)
     torch.cuda.synchronize()
     return rec.to_frame()

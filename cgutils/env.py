@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import NoCudaError
+from .checks import require_cuda
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """The checkout that holds this package (``pip install -e .``): notebooks/, results/, figures/."""
@@ -34,8 +34,8 @@ def mode() -> str:
     forced = os.environ.get("CGUTILS_MODE", "").strip().lower()
     if forced == "recorded":
         return "recorded"
-    if forced == "live" and not cuda_available():
-        raise NoCudaError("CGUTILS_MODE=live but no CUDA device is visible; unset it to use recorded mode")
+    if forced == "live":
+        require_cuda("CGUTILS_MODE=live", "unset it to use recorded mode")
     return "live" if cuda_available() else "recorded"
 
 

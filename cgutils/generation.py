@@ -24,26 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .capture import capture_graph
+from .capture.buckets import pick_bucket
+from .capture.graph import CUDA, CudaBackend
+from .checks import check_int, check_sizes
 from .errors import InputError
 
 BATCH_BUCKETS = (1, 2, 4, 8)
 LENGTH_BUCKETS = (128, 256, 512, 1024)
 MODES = ("eager", "graph", "compile")
-
-
-def _bucket(n: int, buckets: tuple[int, ...], what: str, fix: str = "") -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise InputError(f"{what} {n} is larger than the largest bucket {buckets[-1]}" + (f"; {fix}" if fix else ""))
-
-
-def _check_buckets(buckets: Any, name: str) -> tuple[int, ...]:
-    vals = tuple(buckets)
-    if not vals or not all(isinstance(b, int) and b > 0 for b in vals):
-        raise InputError(f"{name} must be a non-empty sequence of positive ints, got {buckets!r}")
-    return tuple(sorted(set(vals)))
 
 
 class StaticKVState(nn.Module):
@@ -155,6 +143,8 @@ class GreedyDecoder:
             one-step graph does the remainder). Each step reads and advances the position on the GPU,
             so a graph of 16 steps is 16 correct steps; it saves the CPU launch and the GPU's
             graph-launch latency between steps. 1 gives one replay per token.
+        backend: the CUDA calls that capture the graph mode's steps (:class:`cgutils.capture.CudaBackend`;
+            the tests pass a CPU simulation).
 
     Raises:
         InputError: unknown mode; a CPU model in graph or compile mode; a request larger than the
@@ -162,30 +152,31 @@ class GreedyDecoder:
     """
 
     def __init__(self, model: nn.Module, mode: str = "graph", *, batch_buckets=BATCH_BUCKETS,
-                 length_buckets=LENGTH_BUCKETS, steps_per_graph: int = 16, fuse: bool = False):
+                 length_buckets=LENGTH_BUCKETS, steps_per_graph: int = 16, fuse: bool = False,
+                 backend: CudaBackend = CUDA):
         if mode not in MODES:
             raise InputError(f"mode must be one of {MODES}, got {mode!r}")
         if not (hasattr(model, "transformer") and hasattr(model, "lm_head") and hasattr(model.config, "n_positions")):
             raise InputError(f"GreedyDecoder needs a transformers GPT2LMHeadModel, got {type(model).__name__}")
-        if steps_per_graph < 1:
-            raise InputError(f"steps_per_graph must be >= 1, got {steps_per_graph}")
+        check_int("steps_per_graph", steps_per_graph, minimum=1, why="decode steps per captured graph")
         self.steps_per_graph = steps_per_graph
         if fuse and mode != "graph":
             raise InputError(f"fuse=True applies to mode='graph' (got mode={mode!r}); mode='compile' fuses already")
         self.fuse = fuse
         device = next(model.parameters()).device
-        if mode != "eager" and device.type != "cuda":
+        if mode != "eager" and device.type != backend.device_type:
             raise InputError(f"mode={mode!r} needs the model on a CUDA device (it is on {device}); "
                              f"move it with model.cuda() or use mode='eager'")
         if model.training:
             warnings.warn("GreedyDecoder got a model in training mode; call model.eval()", stacklevel=2)
         self.model, self.mode = model, mode
-        self.batch_buckets = _check_buckets(batch_buckets, "batch_buckets")
+        self.batch_buckets = check_sizes("batch_buckets", batch_buckets, example="(1, 2, 4, 8)")
         # a cache longer than the position table is useless: cap the length buckets at it
         n_pos = model.config.n_positions
-        self.length_buckets = tuple(sorted({min(b, n_pos) for b in _check_buckets(length_buckets, "length_buckets")}))
+        self.length_buckets = tuple(sorted({min(b, n_pos) for b in check_sizes("length_buckets", length_buckets, example="(128, 256, 512, 1024)")}))
         self._slots: dict[tuple[int, int], _Slot] = {}
-        self._pool = torch.cuda.graph_pool_handle() if mode == "graph" else None
+        self._backend = backend
+        self._pool = backend.new_pool() if mode == "graph" else None
 
     @property
     def slots(self) -> list[tuple[int, int]]:
@@ -215,7 +206,7 @@ class GreedyDecoder:
             for fn, n in ((step, 1), (block, k)):
                 with torch.no_grad():
                     state.prefill(torch.zeros(batch, 1, dtype=torch.int64, device=state.pos.device))
-                graph, _ = capture_graph(fn, warmup=2, pool=self._pool,
+                graph, _ = self._backend.capture(fn, warmup=2, pool=self._pool,
                                          what=f"GPT-2 decode, {n} step(s) (batch {batch}, cache {max_len})")
                 graphs.append(graph)
             slot = _Slot(state, graphs[0].replay, graphs[1].replay, k)
@@ -249,8 +240,7 @@ class GreedyDecoder:
                              f"with shape {tuple(getattr(prompt, 'shape', ()))}")
         if prompt.device != dev:
             raise InputError(f"prompt is on {prompt.device} but the model is on {dev}; use prompt.to({str(dev)!r})")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, minimum=1)
         b, T = prompt.shape
         if b == 0 or T == 0:
             raise InputError(f"prompt must hold at least one row and one token, got shape {tuple(prompt.shape)}")
@@ -260,8 +250,8 @@ class GreedyDecoder:
             raise InputError(f"token ids must lie in [0, {vocab}), got values from {lo} to {hi}")
         if step_times is not None and dev.type != "cuda":
             raise InputError("step_times uses CUDA events; it needs the model on a CUDA device")
-        B = _bucket(b, self.batch_buckets, "batch size", "pass a larger batch_buckets=(..., n) or split the batch")
-        S = _bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens",
+        B = pick_bucket(b, self.batch_buckets, "batch size", "pass a larger batch_buckets=(..., n) or split the batch")
+        S = pick_bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens",
                     f"GPT-2 holds at most {self.model.config.n_positions} positions: shorten the prompt or "
                     f"generate fewer tokens" if T + max_new_tokens > self.model.config.n_positions else
                     "pass a larger length_buckets=(..., n)")

@@ -15,16 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import env
 from .capture import capture_graph
-from .errors import NoCudaError
+from .checks import require_cuda
 from .timing import measure
 
-
-def _need_cuda(what: str) -> None:
-    if not env.cuda_available():
-        raise NoCudaError(f"{what} measures on a CUDA GPU and none is visible; the notebooks show the "
-                          f"recorded result instead")
+_FIX = "the notebooks show the recorded result instead"
 
 
 def _chain(x: torch.Tensor, n: int) -> Callable[[], None]:
@@ -46,7 +41,7 @@ def chain_sweep(lengths: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512,
     import pandas as pd
     from tqdm.auto import tqdm
 
-    _need_cuda("chain_sweep")
+    require_cuda("chain_sweep", _FIX)
     x = torch.zeros(1, device="cuda")
     rows = []
     for n in tqdm(list(lengths), desc="kernel chains", disable=not progress):
@@ -93,7 +88,7 @@ def size_sweep(sizes: Iterable[int] = tuple(int(10 ** e) for e in np.arange(0, 8
     import pandas as pd
     from tqdm.auto import tqdm
 
-    _need_cuda("size_sweep")
+    require_cuda("size_sweep", _FIX)
     rows = []
     for n in tqdm(list(sizes), desc="kernel sizes", disable=not progress):
         x = torch.randn(n, device="cuda")
@@ -173,7 +168,7 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    _need_cuda("gpu_activity")
+    require_cuda("gpu_activity", _FIX)
     _warm_profiler()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -210,7 +205,7 @@ def launch_bound_table(progress: bool = True):
     from .generation import StaticKVState
     from .workloads import WORKLOADS
 
-    _need_cuda("launch_bound_table")
+    require_cuda("launch_bound_table", _FIX)
 
     def single(workload: str) -> Callable[[], Callable[[], Any]]:
         def make():
@@ -268,7 +263,7 @@ def runtime_calls(run: Callable[[], Any]) -> dict[str, int]:
 
     from torch.profiler import ProfilerActivity, profile
 
-    _need_cuda("runtime_calls")
+    require_cuda("runtime_calls", _FIX)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()

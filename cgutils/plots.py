@@ -1,7 +1,8 @@
-"""Figures for the speedup table, written to ``figures/`` as PNG and SVG.
+"""Figures for every benchmark suite and lesson: matplotlib helpers that save PNG and SVG.
 
 Every function takes the DataFrames that :mod:`cgutils.bench` returns, so the same code draws live
-measurements and recorded ones.
+measurements and recorded ones; display names of variants, methods, decoders and setups come from the
+suites' labels in :data:`cgutils.bench.SUITES`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from . import env
+from .bench.registry import SUITES
 
 FIGURES = env.REPO_ROOT / "figures"
 """Committed figures: written only while recording on a GPU (``make record``)."""
@@ -28,7 +30,7 @@ def save_figure(fig, name: str, folder: Path | str | None = None) -> list[Path]:
     Metadata that changes per run (software version, date, SVG element ids) is left out so that
     re-drawing the same data gives the same files.
     """
-    from .recorded import recording_enabled
+    from .store import recording_enabled
 
     folder = Path(folder) if folder is not None else (FIGURES if recording_enabled() else SCRATCH_FIGURES)
     plt.rcParams["svg.hashsalt"] = "cgutils"
@@ -121,19 +123,15 @@ def _legend_below(fig, ax, title: str) -> None:
 
 
 def _label(v: str) -> str:
-    from .bench import VARIANT_LABELS
-
-    return VARIANT_LABELS.get(v, v)
+    return SUITES["speedup"].label(v)
 
 
 def decoder_bars(gen, title: str = ""):
     """One generate call (ms, log scale) per decoder, labelled with tokens/s."""
-    from .bench import DECODER_LABELS
-
     ok = gen[gen.status == "ok"].reset_index(drop=True)
     fig, ax = plt.subplots(figsize=(7, 3.6))
     colors = ["#7f7f7f", "#bcbd22", "#1f77b4", "#76b900", "#ff7f0e"]
-    ax.barh([DECODER_LABELS.get(d, d) for d in ok.decoder], ok.median_ms, color=colors[: len(ok)])
+    ax.barh([SUITES["generation"].label(d) for d in ok.decoder], ok.median_ms, color=colors[: len(ok)])
     for y, (ms, tps) in enumerate(zip(ok.median_ms, ok.tokens_per_s, strict=True)):
         ax.annotate(f" {ms:.0f} ms, {tps:.0f} tok/s", (ms, y), va="center", fontsize=8)
     ax.set_xscale("log")
@@ -214,14 +212,12 @@ def launch_bound_bars(bound, title: str = ""):
 
 def methods_bars(methods, title: str = ""):
     """Latency per way of getting a graph, one panel per workload."""
-    from .bench import METHOD_LABELS
-
     ok = methods[methods.status == "ok"]
     names = list(dict.fromkeys(ok.workload))
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.8), squeeze=False)
     for ax, w in zip(axes[0], names):
         part = ok[ok.workload == w]
-        ax.barh([METHOD_LABELS.get(m, m) for m in part.method], part.median_ms * 1e3, color="#76b900")
+        ax.barh([SUITES["methods"].label(m) for m in part.method], part.median_ms * 1e3, color="#76b900")
         for y, v in enumerate(part.median_ms * 1e3):
             ax.annotate(f" {v:.0f}", (v, y), va="center", fontsize=7)
         ax.invert_yaxis()
@@ -270,13 +266,11 @@ def timeline(traces: dict, window_name: str = "forward", title: str = ""):
 def memory_plot(mem, title: str = ""):
     """Memory added by CUDA graphs vs the number of sequence lengths served, one line per setup
     (``bench.memory_table``)."""
-    labels = {"own_pool": "one graph per length, own pool each", "shared_pool": "one graph per length, shared pool",
-              "buckets": "buckets (padded), shared pool"}
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for setup, part in mem.groupby("setup", sort=False):
         graphs = int(part.graphs.iloc[-1])
         ax.plot(part.shapes, part.reserved_bytes / 2**20, marker="o",
-                label=f"{labels.get(setup, setup)}: {graphs} graphs")
+                label=f"{SUITES['memory'].label(setup)}: {graphs} graphs")
     ax.set_xlabel("sequence lengths served (own pools: shortest first; shared pool, buckets: longest first)")
     ax.set_ylabel("memory reserved since start (MiB)")
     ax.legend(fontsize=7)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import check_int, require_cuda
 from .errors import InputError
 
 
@@ -84,13 +85,13 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
 
     Raises:
         InputError: ``fn`` not callable; ``warmup``/``iters`` not ints or out of range; a device other
-            than CUDA or CPU, or CUDA when none is present. Exceptions raised by ``fn`` propagate.
+            than CUDA or CPU. Exceptions raised by ``fn`` propagate.
+        NoCudaError: ``device="cuda"`` when no CUDA device is visible.
     """
     if not callable(fn):
         raise InputError(f"measure needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
-    for name, v, low in (("warmup", warmup, 0), ("iters", iters, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise InputError(f"need warmup >= 0 and iters >= 1 as ints, got {name}={v!r}")
+    check_int("warmup", warmup, minimum=0, why="untimed calls before timing starts")
+    check_int("iters", iters, minimum=1, why="timed calls")
     try:
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
@@ -98,8 +99,8 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
         raise InputError(f"unknown device {device!r}; use 'cuda' or 'cpu'") from exc
     if dev.type not in ("cuda", "cpu"):
         raise InputError(f"measure times on 'cuda' (CUDA events) or 'cpu' (perf_counter), not {dev.type!r}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("measure(device='cuda') but no CUDA device is visible; use device='cpu'")
+    if dev.type == "cuda":
+        require_cuda("measure(device='cuda')", "use device='cpu'")
 
     for _ in range(warmup):
         fn()

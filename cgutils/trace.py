@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .checks import first_line
 from .errors import TraceFormatError
 
 # Kineto category names, current and older spellings, mapped to our tables.
@@ -156,7 +157,7 @@ class Trace:
         starts = pd.concat([acts.ts, calls.ts])
         ends = pd.concat([acts.ts + acts.dur, calls.ts + calls.dur])
         wall = float(ends.max() - starts.min()) if len(starts) else 0.0
-        busy = _union_length(acts.ts.to_numpy(), (acts.ts + acts.dur).to_numpy())
+        busy = union_length(acts.ts.to_numpy(), (acts.ts + acts.dur).to_numpy())
         idle = 1 - busy / wall if wall > 0 else float("nan")
         launched = calls
         n_launch = len(launched)
@@ -206,7 +207,7 @@ class Trace:
         return pd.DataFrame(rows)
 
 
-def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
     """Total length covered by a set of intervals (overlaps counted once)."""
     if len(starts) == 0:
         return 0.0
@@ -339,10 +340,10 @@ def load_trace(path: str | Path) -> Trace:
                 side = "gpu" if cat.startswith("gpu") else "cpu"
                 rows["annotations"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), side))
     except ijson.IncompleteJSONError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unexpected end"
-        raise TraceFormatError(f"{p}: not valid JSON ({first}); a file cut short, or not a JSON trace") from exc
+        raise TraceFormatError(f"{p}: not valid JSON ({first_line(exc) or 'unexpected end'}); a file cut short, "
+                               f"or not a JSON trace") from exc
     except ijson.JSONError as exc:
-        raise TraceFormatError(f"{p}: not valid JSON ({str(exc).strip().splitlines()[0]})") from exc
+        raise TraceFormatError(f"{p}: not valid JSON ({first_line(exc)})") from exc
     except IsADirectoryError as exc:
         raise TraceFormatError(f"{p}: is a directory; pass one trace file") from exc
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:

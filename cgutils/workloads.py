@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputError, NoCudaError
+from .checks import require_cuda
+from .errors import InputError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -75,8 +76,8 @@ class Workload:
             if dtype not in DTYPES:
                 raise InputError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
             dtype = DTYPES[dtype]
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise NoCudaError(f"{self.name}: no CUDA device is visible; build(dtype, device='cpu') runs on the CPU")
+        if torch.device(device).type == "cuda":
+            require_cuda(f"{self.name}.build(device='cuda')", "build(dtype, device='cpu') runs on the CPU")
         torch.manual_seed(0)  # same random weights every build
         return self.builder(dtype, torch.device(device))
 

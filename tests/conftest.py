@@ -22,3 +22,11 @@ def tmp_results(tmp_path, monkeypatch):
     monkeypatch.delenv("CGUTILS_RECORDED_GPU", raising=False)
     monkeypatch.delenv("CGUTILS_RECORD", raising=False)
     return root
+
+
+@pytest.fixture
+def simulated():
+    """A CPU simulation of CUDA graphs (tests/simulation.py): pass it as ``backend=simulated``."""
+    from simulation import SimulatedBackend
+
+    return SimulatedBackend()

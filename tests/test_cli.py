@@ -1,4 +1,6 @@
-"""The CLI on a machine without CUDA: it says so in one line and shows the recorded table (exit 0)."""
+"""The CLI (``python -m cgutils``) on a machine without CUDA: it says so in one line and shows the
+recorded tables (exit 0); bad arguments and missing recordings are one-line errors, never tracebacks.
+The suites themselves come from the registry (tests/test_bench.py)."""
 
 import os
 import subprocess
@@ -7,6 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
+from cgutils.bench import SUITES
 from cgutils.recorded import ResultsStore
 
 ROWS = [
@@ -33,6 +36,7 @@ def recorded_table(tmp_results):
 
 
 def test_bench_without_cuda_prints_recorded_table(recorded_table):
+    """CI and laptops have no GPU: `bench` must show the recording and its provenance, exit 0."""
     r = run_cli("bench", env={"CGUTILS_RESULTS": str(recorded_table)})
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]
@@ -42,35 +46,100 @@ def test_bench_without_cuda_prints_recorded_table(recorded_table):
 
 
 def test_bench_markdown(recorded_table):
+    """`bench --markdown` prints the README's results table, provenance line included (pasted as is)."""
     r = run_cli("bench", "--markdown", env={"CGUTILS_RESULTS": str(recorded_table)})
     assert r.returncode == 0, r.stderr
     assert "| bert-base-seq128 | fp16" in r.stdout and "5.00×" in r.stdout and "Measured on Test GPU" in r.stdout
 
 
 def test_bench_without_recording_is_a_clear_error(tmp_results):
+    """No GPU and nothing recorded: one line naming the fix (`make record`), not a traceback."""
     r = run_cli("bench", env={"CGUTILS_RESULTS": str(tmp_results)})
     assert r.returncode == 1
     assert "no recordings" in r.stderr and "make record" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_env_reports_mode(recorded_table):
+    """`env` says which mode the notebooks will run in and which recordings exist."""
     r = run_cli("env", env={"CGUTILS_RESULTS": str(recorded_table)})
     assert r.returncode == 0 and "mode: recorded" in r.stdout and "recordings: test-gpu" in r.stdout
 
 
 def test_record_without_cuda_explains(recorded_table):
+    """`record` cannot record without a GPU: it says so and exits 2 (not 0, so scripts notice)."""
     r = run_cli("record", env={"CGUTILS_RESULTS": str(recorded_table)})
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
 
 
 def test_bad_arguments_exit_2():
+    """argparse's usage error, not a KeyError, for a workload that does not exist."""
     r = run_cli("bench", "--workloads", "nope")
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
+def test_measuring_flags_are_named_as_ignored_without_cuda(recorded_table):
+    """--workloads and --out only steer measuring; without CUDA the CLI says it ignored them rather than
+    silently showing a recording that looks like the answer to them."""
+    r = run_cli("bench", "--workloads", "resnet50", "--out", "somewhere", env={"CGUTILS_RESULTS": str(recorded_table)})
+    assert r.returncode == 0, r.stderr
+    assert "(--workloads, --out apply to measuring and are ignored.)" in r.stdout.splitlines()[0]
+
+
 @pytest.mark.parametrize("suite, needle", [("pitfalls", "`Tensor.item` at line"), ("memory", "own_pool"),
                                            ("methods", "runner_compiled_static_vs_compile_ro")])
-def test_new_suites_show_the_committed_recordings(suite, needle):
+def test_suites_show_their_tables_and_extras(suite, needle):
+    """Each suite prints more than its tables where it has more to say: the pitfalls' markdown names
+    the op and line, methods adds the issue's targets computed from the recorded table."""
     r = run_cli("bench", suite, *(["--markdown"] if suite == "pitfalls" else []))
     assert r.returncode == 0, r.stderr
     assert needle in r.stdout
+
+
+@pytest.mark.parametrize("name", list(SUITES))
+@pytest.mark.parametrize("flags", [[], ["--show"], ["--markdown"]])
+def test_every_suite_shows_the_committed_recording(name, flags, capsys, monkeypatch):
+    """`make run` calls `bench --show` without a GPU: every registered suite, plain, --show and
+    --markdown, prints its committed recording and exits 0 (in-process: one interpreter, fast)."""
+    from cgutils.__main__ import main
+
+    monkeypatch.setattr("cgutils.env.cuda_available", lambda: False)  # never measure, even on a GPU host
+    monkeypatch.delenv("CGUTILS_RESULTS", raising=False)
+    monkeypatch.delenv("CGUTILS_RECORDED_GPU", raising=False)
+    assert main(["bench", name, *flags]) == 0
+    out = capsys.readouterr().out
+    if "--markdown" in flags:
+        assert "|" in out  # a markdown table, without the one-line banner
+    else:
+        assert out.startswith(f"No CUDA device visible: nothing measured here. Showing the {name} tables recorded on")
+        assert "Source: recorded on" in out
+
+
+def test_live_run_passes_the_flags_and_writes_every_table(tmp_results, tmp_path, capsys, monkeypatch):
+    """On a GPU the CLI measures: the suite gets --workloads/--dtypes/--variants/--budget as Options,
+    and every table it registers is written (here to --out) before the report. CUDA is faked and the
+    suite is a stand-in, so this runs anywhere."""
+    from cgutils.__main__ import main
+    from cgutils.bench import Suite
+
+    got = {}
+
+    def measure(opts):
+        got["opts"] = opts
+        return pd.DataFrame({"x": [1]}), pd.DataFrame({"y": [2]})
+
+    suite = Suite("fake", "a stand-in", ("first", "second"), measure=measure,
+                  report=lambda frames, source, prov, markdown: print(f"REPORT {list(frames)} {source}"))
+    monkeypatch.setattr("cgutils.__main__.SUITES", {"fake": suite})
+    monkeypatch.setattr("cgutils.env.cuda_available", lambda: True)
+    monkeypatch.setattr("cgutils.env.provenance", lambda: {"gpu": "Fake GPU", "torch": "2.11.0"})
+    monkeypatch.setattr("cgutils.store.live_store", lambda: ResultsStore("fake-gpu"))
+
+    out = tmp_path / "out"
+    assert main(["bench", "fake", "--workloads", "resnet50", "--dtypes", "fp16", "--variants", "eager",
+                 "--budget", "0.5", "--out", str(out)]) == 0
+    opts = got["opts"]
+    assert (opts.workloads, opts.dtypes, opts.variants, opts.budget_s) == (("resnet50",), ("fp16",), ("eager",), 0.5)
+    assert sorted(p.name for p in out.iterdir()) == ["first.csv", "second.csv"]
+    printed = capsys.readouterr().out
+    assert f"wrote {out / 'first.csv'}" in printed
+    assert "REPORT ['first', 'second'] measured now on Fake GPU" in printed

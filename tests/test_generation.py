@@ -53,7 +53,7 @@ def test_errors_are_clear(tiny):
         dec.generate(torch.zeros(9, 4, dtype=torch.int64), 5)
     with pytest.raises(cg.InputError, match="prompt \\+ new tokens 1030 .*at most 1024 positions"):
         dec.generate(torch.zeros(1, 30, dtype=torch.int64), 1000)
-    with pytest.raises(cg.InputError, match="steps_per_graph must be >= 1"):
+    with pytest.raises(cg.InputError, match="steps_per_graph must be an int >= 1"):
         GreedyDecoder(tiny, mode="eager", steps_per_graph=0)
     with pytest.raises(cg.InputError, match="max_new_tokens must be an int >= 1"):
         dec.generate(torch.zeros(1, 4, dtype=torch.int64), 0)
@@ -139,3 +139,25 @@ def test_multi_step_graph_equals_one_step_graphs(gpt2_fp32):
     one = GreedyDecoder(gpt2_fp32, "graph", steps_per_graph=1).generate(prompt, 40)
     eager = GreedyDecoder(gpt2_fp32, "eager").generate(prompt, 40)
     assert torch.equal(many, one) and torch.equal(many, eager)
+
+
+@pytest.mark.parametrize("steps_per_graph", [1, 4])
+def test_graph_mode_decoding_gives_the_eager_tokens(simulated, steps_per_graph):
+    """GreedyDecoder's graph slots (a one-step graph and a block of steps, warm-up from a dummy prompt,
+    remainder steps) with simulated replays (tests/simulation.py): the tokens of the eager decoder, for
+    two prompts in turn."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).eval()
+    eager = GreedyDecoder(model, mode="eager")
+    graphed = GreedyDecoder(model, mode="graph", steps_per_graph=steps_per_graph, backend=simulated)
+    for prompt in (torch.randint(0, 1000, (1, 5)), torch.randint(0, 1000, (1, 9))):
+        assert torch.equal(graphed.generate(prompt, max_new_tokens=23), eager.generate(prompt, max_new_tokens=23))
+    assert len(simulated.graphs) == 2  # one slot: its one-step graph and its block graph
+
+
+def test_bucket_sizes_must_be_positive_ints():
+    """generation's own bucket check accepted True as a size (a bool is an int in Python); it now shares
+    the check of GraphRunner's buckets."""
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)).eval()
+    with pytest.raises(cg.InputError, match="batch_buckets must be a non-empty sequence of positive ints"):
+        GreedyDecoder(model, mode="eager", batch_buckets=(True, 2))

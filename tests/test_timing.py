@@ -33,15 +33,17 @@ def test_measure_never_times_the_warmup(monkeypatch):
 
 
 def test_measure_validates_arguments():
-    with pytest.raises(cg.InputError, match="iters >= 1"):
+    with pytest.raises(cg.InputError, match="iters must be an int >= 1"):
         cg.measure(lambda: None, iters=0, device="cpu")
-    with pytest.raises(cg.InputError, match="warmup >= 0"):
+    with pytest.raises(cg.InputError, match="warmup must be an int >= 0"):
         cg.measure(lambda: None, warmup=-1, device="cpu")
+    with pytest.raises(cg.InputError, match="warmup must be an int"):
+        cg.measure(lambda: None, warmup=True, device="cpu")  # a bool is not a count
 
 
 def test_measure_cuda_without_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(cg.InputError, match="no CUDA device"):
+    with pytest.raises(cg.NoCudaError, match=r"measure\(device='cuda'\) needs a CUDA device.*use device='cpu'"):
         cg.measure(lambda: None, device="cuda")
 
 
@@ -52,7 +54,7 @@ def test_timing_str_has_units():
 def test_measure_rejects_bad_arguments_clearly():
     with pytest.raises(cg.InputError, match="callable"):
         cg.measure(5)
-    with pytest.raises(cg.InputError, match="iters=2.5"):
+    with pytest.raises(cg.InputError, match="iters must be an int >= 1 .*got 2.5"):
         cg.measure(lambda: None, iters=2.5, device="cpu")
     with pytest.raises(cg.InputError, match="not 'meta'"):
         cg.measure(lambda: None, device="meta")

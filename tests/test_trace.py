@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cgutils as cg
-from cgutils.trace import _union_length, load_trace
+from cgutils.trace import union_length, load_trace
 
 
 def ev(cat, name, ts, dur, **args):
@@ -97,12 +97,12 @@ def test_compare(trace):
     assert df.loc["kernels", "graph / eager"] == 1.0
 
 
-def test_union_length():
+def testunion_length():
     import numpy as np
 
-    assert _union_length(np.array([0.0, 1.0, 5.0]), np.array([2.0, 3.0, 6.0])) == 4.0
-    assert _union_length(np.array([0.0, 1.0]), np.array([10.0, 2.0])) == 10.0
-    assert _union_length(np.array([]), np.array([])) == 0.0
+    assert union_length(np.array([0.0, 1.0, 5.0]), np.array([2.0, 3.0, 6.0])) == 4.0
+    assert union_length(np.array([0.0, 1.0]), np.array([10.0, 2.0])) == 10.0
+    assert union_length(np.array([]), np.array([])) == 0.0
 
 
 def test_cpu_only_trace_is_a_correct_partial_result(tmp_path):

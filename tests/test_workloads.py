@@ -19,6 +19,12 @@ def test_unknown_names_are_clear():
         WORKLOADS["resnet50"].build("fp8", "cpu")
 
 
+def test_building_on_cuda_without_cuda_says_what_to_do(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(cg.NoCudaError, match=r"resnet50.build\(device='cuda'\) needs a CUDA device.*device='cpu'"):
+        WORKLOADS["resnet50"].build("fp32", "cuda")
+
+
 def test_resnet_builds_on_cpu_with_deterministic_inputs():
     built = WORKLOADS["resnet50"].build("fp32", "cpu")
     (x,) = built.inputs(0)

@@ -1,0 +1,26 @@
+"""Capture and replay: GraphRunner and the pieces it stands on, one job per module.
+
+- :mod:`.nest`: map over, flatten and compare nested arguments and outputs.
+- :mod:`.signature`: a call bound to parameter names; input checks against the first call.
+- :mod:`.compare`: replay against eager (relative error, tolerances, validation and its diagnoses).
+- :mod:`.graph`: warm-up stream, capture, RNG/autocast hygiene, pool bytes; :class:`CudaBackend`.
+- :mod:`.buckets`: the bucket policy and the learned output cuts (shared with ``generation``).
+- :mod:`.stats`: what a runner has captured and replayed.
+- :mod:`.inspect`: what a captured graph holds.
+- :mod:`.runner`: :class:`GraphRunner`, which only coordinates.
+"""
+
+from .buckets import Buckets, pick_bucket
+from .compare import max_rel_error, validate_replay
+from .graph import CudaBackend, capture_graph, pool_reserved_bytes, reset_rng_after_failed_capture
+from .inspect import graph_node_types
+from .nest import tree_leaves, tree_map
+from .runner import GraphRunner
+from .signature import ArgSpec, Call, bind_names, check_inputs
+from .stats import GraphInfo, RunnerStats
+
+__all__ = [
+    "GraphRunner", "GraphInfo", "RunnerStats", "CudaBackend", "capture_graph", "pool_reserved_bytes",
+    "reset_rng_after_failed_capture", "max_rel_error", "validate_replay", "graph_node_types", "Buckets",
+    "pick_bucket", "ArgSpec", "Call", "bind_names", "check_inputs", "tree_map", "tree_leaves",
+]

@@ -1,0 +1,185 @@
+"""Low-level capture: warm-up on a side stream, capture into a memory pool, autocast and RNG hygiene,
+pool accounting, and :class:`CudaBackend`, the few CUDA calls GraphRunner makes (which the CPU
+simulation in the tests replaces as a whole)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..checks import check_int, first_line
+from ..diagnose import explain, find_sync_points
+from ..errors import CaptureError
+
+
+def pool_reserved_bytes(pool: Any) -> int:
+    """Bytes the caching allocator has reserved (cudaMalloc'd segments) for one graph memory pool.
+
+    Read from ``torch.cuda.memory_snapshot()``: the segments whose ``segment_pool_id`` is ``pool``.
+    This counts the pool alone, unlike ``torch.cuda.memory_reserved()``, which also moves when the
+    default pool grows or when segments of released graph pools are returned.
+    """
+    key = tuple(pool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id") or ()) == key)
+
+
+def reset_rng_after_failed_capture() -> None:
+    """Return PyTorch's default CUDA generators to eager use after a capture that raised."""
+    # When capture fails, PyTorch raises before its default CUDA generators leave capture mode, and
+    # every later random op then fails with "Offset increment outside graph capture". A clone of a
+    # generator state keeps seed and offset but not the capture flag (CUDAGeneratorState::clone in
+    # ATen/cuda/CUDAGeneratorImpl.cpp), so installing one restores normal eager use.
+    for i in range(torch.cuda.device_count()):
+        gen = torch.cuda.default_generators[i]
+        if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
+            try:
+                gen.graphsafe_set_state(gen.clone_state())
+            except RuntimeError:
+                pass
+
+
+def autocast_state() -> tuple:
+    """CUDA autocast as it is now: ``(False,)``, or ``(True, dtype)``. Kernels captured under autocast
+    keep the dtypes it chose, so a call under another autocast state needs a graph of its own (else
+    an fp32 call would silently get fp16 results, or the other way round)."""
+    if torch.is_autocast_enabled("cuda"):
+        return True, torch.get_autocast_dtype("cuda")
+    return (False,)
+
+
+def autocast_without_cache() -> contextlib.AbstractContextManager:
+    """CUDA autocast as the caller set it, with its cast cache off (a no-op outside autocast).
+
+    Autocast caches the low-precision copy of each parameter until the outermost autocast context
+    exits. A graph captured while that cache is on reads the cached copy, not a cast of its own, and
+    replays after the context exits read freed memory. ``torch.cuda.make_graphed_callables`` refuses
+    ``cache_enabled=True`` for the same reason (torch/cuda/graphs.py)."""
+    if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+        return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+    return contextlib.nullcontext()
+
+
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream() -> torch.cuda.Stream:
+    # One side stream per device for every warm-up: the caching allocator keeps freed blocks per
+    # stream, so a new stream per capture left each warm-up's activations reserved for a stream that
+    # was never used again (bench.memory_table at commit 6b4da10 on the H200: reserved memory grew by
+    # about 33 MiB per BERT-base capture while the shared graph pool stayed at 27 MiB).
+    dev = torch.cuda.current_device()
+    if dev not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[dev] = torch.cuda.Stream()
+    return _WARMUP_STREAMS[dev]
+
+
+def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> CaptureError:
+    """Build the CaptureError for a failed capture: the original error, its explanation, and the syncs
+    found by running ``fn`` once more eagerly (which is safe now that capture has ended)."""
+    why = explain(exc)
+    syncs, note = None, ""
+    try:
+        syncs = find_sync_points(fn)
+    except Exception as rerun:  # the eager rerun can fail for its own reasons; never hide the original
+        note = f"\n(Could not rerun it eagerly to look for syncs: {type(rerun).__name__}: {rerun})"
+    if syncs is not None and len(syncs):
+        where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}" for r in syncs.head(5).itertuples())
+        more = f"\n  ... and {len(syncs) - 5} more (see .sync_points)" if len(syncs) > 5 else ""
+        note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}"
+    elif syncs is not None:
+        note = "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
+    return CaptureError(
+        f"CUDA graph capture of {what} failed: {type(exc).__name__}: {first_line(exc)}\n"
+        + (str(why) if why else "No known pattern matched the error text.") + note,
+        original=exc, explanation=str(why or ""), sync_points=syncs,
+        # syncs found by running the code are firmer evidence than a match on the error text
+        cause="sync" if syncs is not None and len(syncs) else (why.key if why else ""))
+
+
+def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
+                  on_last_warmup: Callable[[Any], None] | None = None,
+                  what: str = "function", debug: bool = False) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up on a side stream, then capture one call of it into a CUDA graph.
+
+    Args:
+        fn: a callable with no arguments that only touches tensors at fixed addresses.
+        warmup: eager calls before capture (>= 1), on a side stream.
+        pool: memory-pool handle to capture into (``torch.cuda.graph_pool_handle()``); ``None`` for a
+            private one.
+        on_last_warmup: called with the output of the last warm-up call (e.g. to keep a reference).
+        what: name used in error messages.
+        debug: keep the graph's description so that ``graph.debug_dump(path)`` can write it as a
+            Graphviz DOT file (see :func:`cgutils.capture.graph_node_types`).
+
+    Returns:
+        ``(graph, static_output)``: the output tensors live in the pool and are rewritten by each
+        ``graph.replay()``.
+
+    Under ``torch.autocast("cuda")``, warm-up and capture run with autocast's cast cache off, so
+    the graph casts the weights itself instead of reading cached copies that die with the context.
+
+    Raises:
+        InputError: ``warmup`` is not an int >= 1.
+        CaptureError: capture failed; ``.original`` holds the error, ``.explanation`` cause and fix.
+    """
+    check_int("warmup", warmup, minimum=1, why="lazy initialisation must not be captured")
+    side = _warmup_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with autocast_without_cache():
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                out = fn()
+            if on_last_warmup is not None:
+                on_last_warmup(out)
+            del out
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        if debug:
+            graph.enable_debug_mode()
+        try:
+            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                static_out = fn()
+        except Exception as exc:
+            reset_rng_after_failed_capture()
+            raise capture_failure(exc, fn, what) from exc
+    torch.cuda.synchronize()
+    return graph, static_out
+
+
+class CudaBackend:
+    """The CUDA calls that GraphRunner and GreedyDecoder make: capture (warm-up included), a new memory
+    pool, pool accounting, and a device sync. Replay is ``graph.replay()`` on what :meth:`capture`
+    returned.
+
+    The tests swap this object as a whole for a CPU simulation with static-buffer semantics, so that
+    everything around these calls (binding, checks, buckets, validation) runs without a GPU.
+
+    Attributes:
+        device_type: the device type that input tensors must be on.
+    """
+
+    device_type = "cuda"
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def pool_bytes(self, pool: Any) -> int:
+        return pool_reserved_bytes(pool)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def capture(self, fn: Callable[[], Any], **kwargs: Any) -> tuple[Any, Any]:
+        """:func:`capture_graph` with the same keyword arguments."""
+        return capture_graph(fn, **kwargs)
+
+
+CUDA = CudaBackend()

@@ -1,0 +1,348 @@
+"""GraphRunner: capture a module or function into CUDA graphs once, replay it on every call.
+
+How it works (CUDA Programming Guide, "CUDA Graphs"; PyTorch docs, "CUDA Graphs" in
+torch.cuda semantics):
+
+1. *Static input buffers.* A graph replays kernels with the device addresses they were captured
+   with, so each tensor argument gets a buffer allocated once; every call copies (``copy_``) the
+   caller's data into it. Rebinding a Python name to a new tensor would never reach the graph.
+2. *Warm-up on a side stream* (:func:`~cgutils.capture.graph.capture_graph`): a few eager calls
+   before capture trigger one-time work that must not be recorded (cuBLAS/cuDNN handles, autotuning,
+   lazy module initialisation).
+3. *Capture* into one memory pool shared by all graphs of this runner, so graphs for different input
+   shapes reuse each other's freed blocks instead of each reserving its own.
+4. *Validation* (:mod:`~cgutils.capture.compare`): the first replay is compared with the last eager
+   warm-up output; a relative error above tolerance raises :class:`~cgutils.errors.CaptureError`.
+5. *Replay* on every later call with the same input signature (shapes and dtypes): copy in, one
+   ``cudaGraphLaunch``, and clone the static outputs (unless ``clone_outputs=False``).
+
+This module only coordinates: binding and input checks live in ``signature``, padding and output cuts
+in ``buckets``, comparisons in ``compare``, the CUDA calls in ``graph``. Inference only: warm-up,
+capture and replay run under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checks import check_int, is_number, require_cuda
+from ..errors import CaptureError, InputError
+from .buckets import Buckets, Cuts, apply_cuts, copy_padded, learn_cuts, resize
+from .compare import check_first_replay, check_later_replay, check_padding, rtol_for
+from .graph import CUDA, CudaBackend, autocast_state
+from .nest import nbytes, opaque_types, same_value, tree_map
+from .signature import ArgSpec, Binder, Call, check_inputs
+from .stats import GraphInfo, RunnerStats
+
+_MAX_PATTERNS = 64  # accepted call patterns remembered for the fast path (a bounded memo, not a record)
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph, or the backend's stand-in
+    static_inputs: list[torch.Tensor]
+    static_output: Any
+    info: GraphInfo
+    cuts: Cuts = field(default_factory=dict)  # learned from the first call that pads each dim (_output)
+
+
+class GraphRunner:
+    """Capture ``fn`` into a CUDA graph per input signature and replay it on later calls.
+
+    Example::
+
+        runner = cgutils.GraphRunner(model.eval().cuda(), buckets={1: (128, 256, 512)})
+        out = runner(input_ids, attention_mask=mask)   # first call: warm-up, capture, validate
+        out = runner(other_ids, attention_mask=mask)   # same bucket: copy in (padded), replay
+
+    Args:
+        fn: an ``nn.Module`` or a function of tensors (and fixed non-tensor values). Its tensor
+            arguments may be nested in tuples, lists and dicts.
+        warmup: eager calls on a side stream before each capture (>= 1).
+        validate: compare the first replay with eager and raise on mismatch (cost: one replay and one output
+            clone per capture, ``python -m cgutils bench memory``); with ``buckets``, also check the padding.
+        validate_replays: also compare the first ``K`` replays of each graph (after capture, on the
+            caller's fresh inputs) with an eager call; catches Python values baked in at capture that
+            change later (module attributes, CPU scalars, Python branches). Each costs one eager call.
+        rtol: tolerated relative error ``max|replay-eager| / max|eager|``; default 1e-3 for fp32,
+            1e-2 when an fp16/bf16 tensor is involved.
+        clone_outputs: return clones of the static outputs (safe). With ``False`` the runner returns
+            the static output tensors themselves: no copy, but the **next replay overwrites them** in
+            place, so read or clone them before calling the runner again.
+        strict: a changed dtype or rank of a tensor argument raises (default) instead of capturing
+            another graph.
+        pool: a memory-pool handle (``torch.cuda.graph_pool_handle()``) to share with other runners;
+            default: one new pool shared by this runner's graphs.
+        buckets: ``{dim: sizes}``: pad every tensor argument with more than ``dim`` dimensions along
+            ``dim`` up to the smallest size in ``sizes`` that holds it, so a few graphs serve every
+            length. Outputs are cut back to the caller's length along the dims that follow it: the
+            first call that pads a dim of a graph's inputs also runs ``fn`` eagerly once, at the
+            caller's shapes, to see which output dims those are, and with ``validate`` to check that
+            padding left that call's result alone (one sample: ``validate_replays`` checks more calls;
+            ``fn`` must also run at unpadded lengths; the call repeats after a failed check, or while
+            two padded dims share a length and bucket). A size above the largest bucket runs eagerly
+            (counted in ``stats.fallbacks``, with one warning). Padding must not change the real
+            positions' results: for attention pass an attention mask, padded with 0 (the default).
+        pad_value: value written into padding: one number, or ``{argument name: number}`` (names as
+            in error messages, e.g. ``input_ids``, ``attention_mask``); default 0.
+        compile: run ``fn`` through ``torch.compile`` (Inductor, ``mode="default"``: fused kernels, no
+            graphs of its own) and capture that; ``True`` or a dict of ``torch.compile`` keyword
+            arguments. Compilation happens during the first warm-up.
+        backend: the CUDA calls (capture, pool, sync): :class:`~cgutils.capture.CudaBackend`; the tests
+            pass a CPU simulation.
+
+    Shapes and dtypes: each distinct combination of (padded) input shapes and, with ``strict=False``,
+    dtypes gets its own graph, captured on first sight; so does each CUDA autocast state
+    (``torch.autocast("cuda", dtype=...)`` on or off), since captured kernels keep the dtypes autocast
+    chose at capture. All graphs share one memory pool.
+
+    Raises (from ``__call__``):
+        InputError: CPU tensors, a changed argument structure, dtype, rank, device or non-tensor value.
+        NoCudaError: no CUDA device is visible.
+        CaptureError: capture failed (``.original``, ``.explanation``, and ``.sync_points``: the syncs
+            an eager rerun found, with file and line), or a replay did not match eager above ``rtol``
+            (``.max_rel_error``, ``.cause``).
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, warmup: int = 3, validate: bool = True,
+                 validate_replays: int = 0, rtol: float | None = None, clone_outputs: bool = True,
+                 strict: bool = True, pool: Any = None, buckets: dict[int, Any] | None = None,
+                 pad_value: float | dict[str, float] = 0, compile: bool | dict = False,
+                 backend: CudaBackend = CUDA):
+        if not callable(fn):
+            raise InputError(f"GraphRunner needs a callable (module or function), got {type(fn).__name__}")
+        self.warmup = check_int("warmup", warmup, minimum=1, why="lazy initialisation must not be captured")
+        self.validate_replays = check_int("validate_replays", validate_replays, why="replays to check against eager")
+        if rtol is not None and not (is_number(rtol) and rtol >= 0):
+            raise InputError(f"rtol must be a number >= 0 (a relative error), got {rtol!r}")
+        self._buckets = Buckets(buckets, pad_value)
+        self.buckets, self.pad_value = self._buckets.sizes, pad_value
+        self.fn, self._call = fn, _compiled(fn, compile)
+        self.validate, self.rtol, self.clone_outputs, self.strict = validate, rtol, clone_outputs, strict
+        self._pool, self._backend, self._binder = pool, backend, Binder(fn)
+        self._spec: list[ArgSpec] | None = None
+        self._accepted: list[tuple] = []
+        self._graphs: dict[tuple, _Graph] = {}
+        self._replays = self._fallbacks = 0
+        _warn_if_training(fn)
+
+    @property
+    def stats(self) -> RunnerStats:
+        """Captures, replays, eager fallbacks and per-graph memory (a snapshot, see :class:`RunnerStats`)."""
+        infos = [dataclasses.replace(g.info) for g in self._graphs.values()]
+        return RunnerStats(captures=len(infos), replays=self._replays, graphs=infos, fallbacks=self._fallbacks)
+
+    def __repr__(self) -> str:
+        name = type(self.fn).__name__ if isinstance(self.fn, nn.Module) else getattr(self.fn, "__name__", "fn")
+        return f"GraphRunner({name}, graphs={len(self._graphs)}, replays={self._replays})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._binder.bind(args, kwargs)
+        # Replay is the hot path: a call whose argument kinds, dtypes, ranks, devices and values equal
+        # an already accepted call skips the full check (it would pass) and its error formatting.
+        pattern = call.pattern()
+        specs = None
+        if not any(same_value(pattern, seen) for seen in self._accepted):
+            specs = call.specs()
+            check_inputs(specs, self._spec, strict=self.strict, device_type=self._backend.device_type)
+            if not self._backend.available():
+                require_cuda("GraphRunner", "call the model eagerly instead")
+            self._buckets.check_pad_names(call.named)
+        out = self._run(call)
+        if specs is not None:
+            # Only now: a first call that failed (a wrong argument, an error in fn) must not become
+            # the argument structure that every later call is checked against.
+            self._spec = self._spec or specs
+            self._accepted = [*self._accepted[-(_MAX_PATTERNS - 1):], pattern]
+        return out
+
+    def _run(self, call: Call) -> Any:
+        """One checked call: pick (or capture) the graph, load, replay, cut back, validate, clone."""
+        named = call.named
+        self._buckets.check_lengths(named)
+        targets = [self._buckets.target_shape(t) for _, t in named]
+        if any(tg is None for tg in targets):
+            return self._fallback(call)
+        key = _graph_key(named, targets)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(call, targets, key[-1])
+        else:
+            self._load(entry.static_inputs, named)
+        entry.graph.replay()
+        entry.info.replays += 1
+        self._replays += 1
+        out = self._output(entry, call, targets)
+        if 1 < entry.info.replays <= self.validate_replays + 1:
+            try:
+                check_later_replay(out, self._eager(call), rtol_for(out, self.rtol), f"replay {self._replays} of {self!r}")
+            except CaptureError:
+                del self._graphs[key]  # else a retry would replay the same stale graph unchecked
+                raise
+        return out
+
+    @torch.no_grad()
+    def _eager(self, call: Call) -> Any:
+        return call.run(self._call)
+
+    def _load(self, static_inputs: list[torch.Tensor], named: list) -> None:
+        """Copy this call's tensors into a graph's static inputs, padded up to the bucket."""
+        for buf, (name, t) in zip(static_inputs, named, strict=True):
+            copy_padded(buf, t.detach(), self._buckets.pad_of(name))
+
+    def _output(self, entry: _Graph, call: Call, targets: list) -> Any:
+        """The static outputs, cut back along the padded dims and cloned with ``clone_outputs``.
+
+        The dims to cut are learned per graph by :func:`~cgutils.capture.buckets.learn_cuts` from the
+        first call that pads each input dim, with one eager call at the caller's shapes; with
+        ``validate`` the same eager call checks that padding left the real positions alone.
+        """
+        padded = self._buckets.padded(call.named, targets)
+        if not padded:
+            return tree_map(torch.clone, entry.static_output) if self.clone_outputs else entry.static_output
+        if padded.keys() <= entry.cuts.keys():
+            return apply_cuts(entry.static_output, entry.cuts, padded, self.clone_outputs)
+        expected = self._eager(call)
+        learned, ambiguous = learn_cuts(entry.static_output, expected, padded)
+        out = apply_cuts(entry.static_output, {**entry.cuts, **learned}, padded, self.clone_outputs)
+        if self.validate:
+            check_padding(out, expected, rtol_for(entry.static_output, self.rtol, {t.dtype for _, t in call.named}))
+        # Stored only once checked (a call after a failed check must fail the same way), and only for
+        # dims this call told apart: two padded dims with the same (bucket, length) are cut correctly
+        # now, but which one an output dim follows is learned at a later call.
+        entry.cuts = {**{k: v for k, v in learned.items() if k not in ambiguous}, **entry.cuts}
+        return out
+
+    def _fallback(self, call: Call) -> Any:
+        self._fallbacks += 1
+        if self._fallbacks == 1:
+            sizes = {n: tuple(t.shape) for n, t in call.named}
+            warnings.warn(f"{self!r}: input shapes {sizes} exceed the largest bucket {self.buckets}; running "
+                          f"eagerly (no graph). Add a larger bucket if this size is common; "
+                          f"stats.fallbacks counts these calls.", stacklevel=4)
+        return self._eager(call)
+
+    def capture_buckets(self, *args: Any, **kwargs: Any) -> RunnerStats:
+        """Capture a graph for every bucket now, largest first, from one example call.
+
+        Largest first, so that the shared memory pool grows once, to the largest graph's needs, and
+        the smaller graphs reuse its blocks. The example is padded (or cut) to each bucket size, so its
+        values only serve warm-up and validation. When the example's own size is below a bucket, it is
+        then replayed once, padded, next to an eager call at its own shape: for that bucket's graph,
+        that learns which output dims to cut back (see ``buckets``) and, with ``validate``, checks the
+        padding. The other graphs do this on their first padded call.
+
+        Returns:
+            :attr:`stats` after the captures.
+
+        Raises:
+            InputError: no ``buckets`` were given, or no tensor in the example; as for ``__call__``.
+            CaptureError: as for ``__call__``; ``cause="padding"`` when padding changes the result.
+        """
+        if not self._buckets:
+            raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
+        call = self._binder.bind(args, kwargs)
+        if not call.named:
+            raise InputError("capture_buckets needs an example call, e.g. runner.capture_buckets(input_ids=ids, "
+                             "attention_mask=mask): it is padded to each bucket to capture its graph")
+        self._buckets.check_lengths(call.named)
+        for sizes in self._buckets.combos():
+            example = call.map_tensors(lambda t, sizes=sizes: resize(t, sizes))
+            self(*example.args, **example.kwargs)
+        # The captures above were at exact bucket sizes, where nothing is padded: replay the example
+        # itself, padded, once through _output (learn the cuts, check the padding).
+        targets = [self._buckets.target_shape(t) for _, t in call.named]
+        if all(tg is not None for tg in targets) and self._buckets.padded(call.named, targets):
+            entry = self._graphs[_graph_key(call.named, targets)]
+            self._load(entry.static_inputs, call.named)
+            entry.graph.replay()
+            self._output(entry, call, targets)
+        return self.stats
+
+    def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> _Graph:
+        t_start = time.perf_counter()
+        named = call.named
+        static_inputs = [torch.empty(tg, dtype=t.dtype, device=t.device) for (_, t), tg in zip(named, targets, strict=True)]
+        self._load(static_inputs, named)
+        s_args, s_kwargs = call.substitute(static_inputs)
+        if self._pool is None:
+            self._pool = self._backend.new_pool()
+        kept: dict[str, Any] = {}
+
+        def keep_reference(out: Any) -> None:
+            if self.validate:
+                kept["expected"] = tree_map(torch.clone, out)
+
+        pool_before = self._backend.pool_bytes(self._pool)
+        graph, static_out = self._backend.capture(lambda: self._call(*s_args, **s_kwargs), warmup=self.warmup,
+                                                  pool=self._pool, on_last_warmup=keep_reference, what=repr(self))
+        pool_bytes = max(0, self._backend.pool_bytes(self._pool) - pool_before)
+        rel = None
+        if self.validate:
+            # The validation replay reads the static inputs that already hold this call's data, so the
+            # caller's replay in _run recomputes the same answer: cheap, and one code path.
+            graph.replay()
+            self._backend.synchronize()
+            rel = check_first_replay(static_out, kept["expected"], rtol_for(static_out, self.rtol, {t.dtype for _, t in named}))
+        opaque = opaque_types(static_out)
+        if opaque:
+            warnings.warn(
+                f"{self!r}: the outputs hold {', '.join(opaque)}, which GraphRunner cannot look inside: tensors "
+                f"in them are static buffers that each replay overwrites, never cloned, cut back or validated "
+                f"(a transformers cache, say: pass use_cache=False). Return plain tensors, tuples, lists, "
+                f"dicts or dataclasses instead.", stacklevel=4)
+        info = GraphInfo(signature=_signature(named, targets, autocast),
+                         capture_ms=(time.perf_counter() - t_start) * 1e3, pool_bytes=pool_bytes,
+                         static_input_bytes=nbytes(static_inputs), static_output_bytes=nbytes(static_out),
+                         max_rel_error=rel)
+        return _Graph(graph, static_inputs, static_out, info)
+
+
+def _graph_key(named: list, targets: list) -> tuple:
+    """Which graph serves a call: the (padded) shape and dtype of every tensor argument, then the
+    autocast state (last)."""
+    return (*((tg, t.dtype) for tg, (_, t) in zip(targets, named, strict=True)), autocast_state())
+
+
+def _signature(named: list, targets: list, autocast: tuple) -> str:
+    text = ", ".join(f"{n}:{tg} {str(t.dtype).replace('torch.', '')}" for (n, t), tg in zip(named, targets, strict=True))
+    return text + (f" (autocast {str(autocast[1]).replace('torch.', '')})" if autocast[0] else "")
+
+
+def _compiled(fn: Callable[..., Any], compile: bool | dict) -> Callable[..., Any]:
+    """``fn`` itself, or ``torch.compile(fn, **options)`` for ``compile=True`` / a dict of options.
+
+    Raises:
+        InputError: ``compile`` is neither a bool nor a dict; options that make torch.compile capture
+            CUDA graphs of its own (inside ours); options torch.compile rejects.
+    """
+    if compile is False:
+        return fn
+    if not isinstance(compile, (bool, dict)):
+        raise InputError(f"compile must be True, False or a dict of torch.compile arguments, got {compile!r}")
+    options = compile if isinstance(compile, dict) else {}
+    inductor = options.get("options") or {}
+    if options.get("mode") not in (None, "default", "max-autotune-no-cudagraphs") or (
+            isinstance(inductor, dict) and inductor.get("triton.cudagraphs")):
+        raise InputError(f"compile={compile!r} makes torch.compile capture CUDA graphs of its own, inside "
+                         f"ours; use mode 'default' or 'max-autotune-no-cudagraphs' without triton.cudagraphs")
+    try:
+        return torch.compile(fn, **options)
+    except (TypeError, RuntimeError) as exc:
+        raise InputError(f"compile={compile!r}: torch.compile rejected it: {exc}") from exc
+
+
+def _warn_if_training(fn: Callable[..., Any]) -> None:
+    if isinstance(fn, nn.Module) and fn.training and any(
+            isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)) for m in fn.modules()):
+        warnings.warn("GraphRunner got a module in training mode with dropout or batch norm: their "
+                      "random masks and batch statistics would be frozen into the graph and validation "
+                      "would fail. Call model.eval() first.", stacklevel=3)

@@ -1,0 +1,59 @@
+"""A CPU stand-in for :class:`cgutils.capture.CudaBackend` with a CUDA graph's static-buffer semantics.
+
+Most of GraphRunner is Python around a few CUDA calls (capture, replay, pool accounting): argument
+binding, the input check and its fast path, static-buffer substitution, bucket padding, cutting back,
+eager fallback and validation. With this backend those Python paths run end to end in CI:
+
+- "capture" runs the function once on the static input buffers and keeps its output tensors;
+- "replay" runs the function again on the same static input buffers and writes the result into
+  those same output tensors, in place, as a replayed graph rewrites its static outputs.
+
+What it cannot show (kernels frozen at capture, streams, memory pools) stays in test_gpu.py.
+"""
+
+import torch
+
+from cgutils.capture import tree_leaves
+
+
+class SimulatedGraph:
+    def __init__(self, fn, static_out):
+        self.fn, self.static_out = fn, static_out
+
+    def replay(self):
+        with torch.no_grad():
+            fresh = self.fn()
+        for (_, dst), (_, src) in zip(tree_leaves(self.static_out), tree_leaves(fresh), strict=True):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+
+
+class SimulatedBackend:
+    """CPU tensors stand for CUDA tensors; ``graphs`` lists every simulated capture, in order."""
+
+    device_type = "cpu"
+
+    def __init__(self):
+        self.graphs: list[SimulatedGraph] = []
+
+    def available(self):
+        return True
+
+    def new_pool(self):
+        return object()
+
+    def pool_bytes(self, pool):
+        return 0
+
+    def synchronize(self):
+        pass
+
+    def capture(self, fn, *, warmup=3, pool=None, on_last_warmup=None, what="function", debug=False):
+        with torch.no_grad():
+            for _ in range(warmup):
+                out = fn()
+            if on_last_warmup is not None:
+                on_last_warmup(out)
+            static_out = fn()
+        self.graphs.append(SimulatedGraph(fn, static_out))
+        return self.graphs[-1], static_out

@@ -1,0 +1,186 @@
+"""Diagnosis of failed captures, without a GPU: the error explainer, the exception tree, and the sync-point
+finder (PyTorch's sync debug-mode warning is simulated by warning the same text)."""
+
+import importlib.util
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import cgutils as cg
+from cgutils.diagnose import SyncRecorder, find_sync_points, user_code
+
+SYNC_TEXT = "called a synchronizing CUDA operation"  # what torch.cuda.set_sync_debug_mode("warn") warns
+
+
+def _warn_sync(v=None):
+    warnings.warn(SYNC_TEXT, stacklevel=1)
+    return v
+
+
+# --- explain: error text -> cause and fix ---------------------------------------------------------------
+
+# error texts as PyTorch 2.11 / CUDA 13 print them
+@pytest.mark.parametrize("text, key", [
+    ("CUDA error: operation not permitted when stream is capturing", "sync"),
+    ("CUDA error: operation failed due to a previous error during capture\n"
+     "cudaErrorStreamCaptureInvalidated", "invalidated"),
+    ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", "default_stream"),
+    ("CUDA graphs must be captured on a non-default stream. (However, after capture, it's ok to replay "
+     "them on the default stream.)", "default_stream"),
+    ("Attempting to capture with a CPU generator", "rng"),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", "allocation"),
+])
+def test_explain_known_capture_errors(text, key):
+    why = cg.explain(RuntimeError(text))
+    assert why is not None and why.key == key
+    assert why.cause and why.fix
+
+
+def test_explain_follows_the_exception_chain():
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        except RuntimeError as inner:
+            raise RuntimeError("wrapper text with nothing useful") from inner
+    except RuntimeError as outer:
+        assert cg.explain(outer).key == "sync"
+
+
+def test_explain_unknown_returns_none():
+    assert cg.explain("something else entirely") is None
+
+
+@pytest.mark.parametrize("text", ["expected argument seed to be an int, got str",
+                                  "'Generator' object has no attribute 'x'"])
+def test_explain_does_not_blame_the_rng_for_any_mention_of_seed(text):
+    """Any error text that mentioned a seed or a generator was explained as an RNG capture problem."""
+    why = cg.explain(text)
+    assert why is None or why.key != "rng"
+
+
+def test_explain_recognises_manual_seed_during_capture():
+    """torch.manual_seed inside capture raises a set_current_seed error that no rule matched."""
+    text = "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if the generator is"
+    assert cg.explain(text).key == "rng"
+
+
+def test_explain_rejects_what_is_not_an_error():
+    """explain(None) returned None, as for an unknown error, hiding the caller's mistake."""
+    with pytest.raises(cg.InputError, match="exception or its message"):
+        cg.explain(None)
+
+
+def test_exception_tree():
+    for exc in (cg.CaptureError, cg.InputError, cg.StaleRecordingError, cg.NoCudaError, cg.RecordingError):
+        assert issubclass(exc, cg.CgutilsError)
+    assert issubclass(cg.StaleRecordingError, cg.RecordingError)
+
+
+# --- sync points ----------------------------------------------------------------------------------------
+
+
+def test_sync_recorder_reports_the_users_line_and_the_op():
+    def model(x):
+        return x.apply_(_warn_sync)  # the sync happens inside one torch call, Tensor.apply_
+
+    with SyncRecorder() as rec:
+        model(torch.ones(1))
+    df = rec.to_frame()
+    assert list(df.columns) == ["op", "file", "line", "code", "function"]
+    assert len(df) == 1 and df.op[0] == "Tensor.apply_"
+    # the innermost user frame: _warn_sync here, which the torch call ran
+    assert df.file[0] == __file__ and df.function[0] == "_warn_sync"
+    assert df.line[0] == _warn_sync.__code__.co_firstlineno + 1
+
+
+def test_sync_recorder_passes_other_warnings_through():
+    with pytest.warns(UserWarning, match="unrelated"), SyncRecorder() as rec:
+        warnings.warn("unrelated", stacklevel=1)
+    assert rec.points == []
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """find_sync_points on the CPU: CUDA 'present', its debug mode and synchronize no-ops."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr("torch.cuda.set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr("torch.cuda.synchronize", lambda device=None: None)
+
+
+def test_one_user_call_that_syncs_many_times_is_one_sync_point(simulated_gpu):
+    """Printing a CUDA tensor syncs once per formatted piece; it was reported 8 times for one print."""
+    def model(x):
+        x.apply_(_warn_sync)  # three elements: three syncs inside one outermost torch call
+        x.apply_(_warn_sync)  # another call: its own point
+        torch.cuda.synchronize()  # outside any torch call: always its own point
+        torch.cuda.synchronize()
+
+    with SyncRecorder() as rec:
+        model(torch.ones(3))
+    assert [p.op for p in rec.points] == ["Tensor.apply_", "Tensor.apply_", "torch.cuda.synchronize",
+                                          "torch.cuda.synchronize"]
+
+
+def test_find_sync_points_without_cuda_says_so(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(cg.NoCudaError, match="find_sync_points needs a CUDA device"):
+        find_sync_points(lambda: None)
+
+
+@pytest.fixture
+def library(tmp_path):
+    """A module in another file whose ``postprocess`` syncs: someone else's code that the user calls."""
+    path = tmp_path / "their_library.py"
+    path.write_text("import warnings\n\n\ndef postprocess(x):\n"
+                    f"    warnings.warn({SYNC_TEXT!r}, stacklevel=1)  # line 5\n    return x\n")
+    spec = importlib.util.spec_from_file_location("their_library", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_find_sync_points_honours_user_files(simulated_gpu, library):
+    """find_sync_points decided which frames were the user's by a hard-coded file name (pitfalls.py)."""
+    def my_model(x):
+        return library.postprocess(x * 2)  # the user's line that calls the syncing library
+
+    line = my_model.__code__.co_firstlineno + 1
+    default = find_sync_points(my_model, torch.ones(2))  # every file outside torch/stdlib/cgutils is user code
+    assert (Path(default.file[0]).name, default.line[0]) == ("their_library.py", 5)
+    mine = find_sync_points(my_model, torch.ones(2), user_files=[__file__])
+    assert (mine.file[0], mine.line[0], mine.function[0]) == (__file__, line, "my_model")
+    one_path = find_sync_points(my_model, torch.ones(2), user_files=Path(library.__file__))  # one path, not a list
+    assert one_path.line.tolist() == [5]
+    assert find_sync_points(my_model, torch.ones(2), user_files=["/elsewhere.py"]).empty  # none of them on the stack
+    with pytest.raises(cg.InputError, match="user_files must be file paths"):
+        find_sync_points(my_model, torch.ones(2), user_files=[3])
+
+
+def test_user_code_sets_the_default_for_calls_made_on_the_users_behalf(simulated_gpu, library):
+    """GraphRunner's own diagnosis calls find_sync_points without user_files; a caller can still name them."""
+    def my_model(x):
+        return library.postprocess(x)
+
+    with user_code([__file__]):
+        inside = find_sync_points(my_model, torch.ones(2))
+        explicit = find_sync_points(my_model, torch.ones(2), user_files=[library.__file__])  # the argument wins
+    after = find_sync_points(my_model, torch.ones(2))
+    assert inside.function.tolist() == ["my_model"]
+    assert explicit.function.tolist() == after.function.tolist() == ["postprocess"]
+
+
+def test_cgutils_frames_are_not_the_users_code_by_default():
+    """The user-frame test compared a frame's folder with cgutils/ itself, so cgutils' subpackages
+    (cgutils/capture/) would have counted as the user's code."""
+    inside_cgutils = Path(cg.__file__).parent / "capture" / "imaginary.py"
+    code = compile(f"import warnings\nwarnings.warn({SYNC_TEXT!r}, stacklevel=1)\n", str(inside_cgutils), "exec")
+
+    def my_model():
+        exec(code, {})  # noqa: S102 - stands in for cgutils machinery that syncs
+
+    with SyncRecorder() as rec:
+        my_model()
+    assert [p.function for p in rec.points] == ["my_model"]

@@ -1,0 +1,143 @@
+"""The ``%%recorded`` cell magic in both modes, run through an IPython shell as a notebook runs it: live (a
+simulated GPU runs the cell and records it) and recorded (the recording is replayed under a banner)."""
+
+import importlib
+
+import pytest
+
+import cgutils as cg
+from cgutils import env, recorded
+from cgutils.store import ResultsStore, source_hash
+
+PROV = {"gpu": "NVIDIA H200", "driver": "580.0", "cuda": "13.0", "torch": "2.11.0", "transformers": "5.17.0",
+        "date": "2026-11-29T12:00:00+00:00", "git_commit": "abcdef1234"}
+
+
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    yield sh
+    InteractiveShell.clear_instance()
+
+
+@pytest.fixture
+def gpu(tmp_results, shell, monkeypatch, capsys):
+    """A simulated H200 that records (as under ``make record``), notebook 01_demo set up; returns its store."""
+    live_mode(monkeypatch)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(env, "provenance", lambda: PROV)
+    monkeypatch.setenv("CGUTILS_RECORD", "1")
+    recorded.setup_notebook("01_demo")  # registers %%recorded with the shell
+    assert "Mode: live, on NVIDIA H200" in capsys.readouterr().out
+    return ResultsStore("nvidia-h200", root=tmp_results)
+
+
+def live_mode(monkeypatch) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setenv("CGUTILS_MODE", "live")
+
+
+def recorded_mode(monkeypatch) -> list:
+    """No CUDA from here on; returns the list that collects published display data (the banner first)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("CGUTILS_MODE", "recorded")
+    shown = []
+    monkeypatch.setattr("IPython.display.publish_display_data", lambda data, metadata=None: shown.append(data))
+    return shown
+
+
+def run_cell(shell, line, body):
+    """Run a ``%%recorded`` cell the way the notebook does (the magic registered by setup_notebook)."""
+    return shell.run_cell_magic("recorded", line, body)
+
+
+BODY = "import pandas as pd\nv = pd.DataFrame({'a': [1, 2]})\nprint('measured', len(v))\nint(v.a.sum())"
+
+
+def test_live_cell_runs_and_is_recorded(gpu, shell, capsys):
+    run_cell(shell, " demo --save v", BODY)
+    assert "measured 2" in capsys.readouterr().out  # live output stays live
+    rec = gpu.load_cell("01_demo", "demo", expected_hash=source_hash(" demo --save v", BODY))
+    assert rec["provenance"]["gpu"] == "NVIDIA H200" and rec["saved"] == ["cells/01_demo/demo.v.csv"]
+    assert rec["outputs"][0] == {"type": "stream", "name": "stdout", "text": "measured 2\n"}
+    assert rec["outputs"][1]["type"] == "display" and rec["outputs"][1]["data"]["text/plain"] == "3"
+    assert gpu.load_value("cells/01_demo/demo.v").a.tolist() == [1, 2]
+
+
+def test_recorded_cell_replays_under_a_banner(gpu, shell, monkeypatch, capsys):
+    run_cell(shell, " demo --save v", BODY)
+    capsys.readouterr()
+    shown = recorded_mode(monkeypatch)
+    shell.user_ns.pop("v")
+    shell.user_ns["pd"] = None  # nothing runs: the cell's import would have replaced this
+    run_cell(shell, " demo --save v", BODY)
+    assert "measured 2" in capsys.readouterr().out and shell.user_ns["pd"] is None
+    banner = shown[0]["text/plain"]
+    assert "Recorded output" in banner and "NVIDIA H200" in banner and source_hash(" demo --save v", BODY) in banner
+    assert "Recorded on NVIDIA H200" in shown[0]["text/html"]
+    assert shown[1]["text/plain"] == "3"
+    assert shell.user_ns["v"].a.tolist() == [1, 2]
+
+
+def test_edited_cell_is_stale_in_recorded_mode(gpu, shell, monkeypatch):
+    run_cell(shell, " demo --save v", BODY)
+    recorded_mode(monkeypatch)
+    with pytest.raises(cg.StaleRecordingError, match="changed since it was recorded"):
+        run_cell(shell, " demo --save v", BODY.replace("[1, 2]", "[1, 2, 3]"))
+
+
+def test_missing_recording_fails_in_recorded_mode(tmp_results, shell, monkeypatch):
+    ResultsStore("nvidia-h200").write_meta(PROV)
+    recorded_mode(monkeypatch)
+    recorded.setup_notebook("01_demo")
+    with pytest.raises(cg.RecordingError, match="has no recording"):
+        run_cell(shell, " never-recorded", "x = 1")
+
+
+def test_repeated_save_flags_accumulate(gpu, shell):
+    """`--save a:x --save b:y` kept only the last flag, so notebook 03 lost its memory table."""
+    run_cell(shell, " k --save a:x --save b:y c", "a, b, c = [1], [2], [3]")
+    assert [gpu.load_value(n) for n in ("x", "y", "cells/01_demo/k.c")] == [[1], [2], [3]]
+
+
+def test_save_of_an_undefined_variable_is_named(gpu, shell):
+    with pytest.raises(cg.InputError, match=r"--save names \['nope'\], which the cell did not define"):
+        run_cell(shell, " k --save nope", "x = 1")
+
+
+def test_raising_cell_is_recorded_and_raises_in_both_modes(gpu, shell, monkeypatch, capsys):
+    """A --raises cell: live, the error is recorded and re-raised; recorded, the same error text comes back."""
+    body = "print('before')\nraise RuntimeError('CUDA error: operation not permitted when stream is capturing')"
+    with pytest.raises(RuntimeError, match="not permitted"):
+        run_cell(shell, " boom --raises", body)
+    assert "before" in capsys.readouterr().out
+    rec = gpu.load_cell("01_demo", "boom")
+    assert rec["error"]["ename"] == "RuntimeError" and "not permitted" in rec["error"]["evalue"]
+    # a failing --raises cell that never defined its --save variable still shows its own error
+    with pytest.raises(ValueError, match="the real one"):
+        run_cell(shell, " boom2 --raises --save never", "raise ValueError('the real one')")
+
+    recorded_mode(monkeypatch)
+    with pytest.raises(cg.RecordedCellError, match="RuntimeError: CUDA error: operation not permitted"):
+        run_cell(shell, " boom --raises", body)
+    with pytest.raises(cg.RecordedCellError, match="the real one"):  # its --save was never written
+        run_cell(shell, " boom2 --raises --save never", "raise ValueError('the real one')")
+    assert "before" in capsys.readouterr().out
+
+
+def test_plain_exception_propagates_and_is_not_recorded(gpu, shell):
+    with pytest.raises(ZeroDivisionError):
+        run_cell(shell, " plain", "1 / 0")
+    with pytest.raises(cg.RecordingError):
+        gpu.load_cell("01_demo", "plain")
+
+
+def test_magic_needs_setup_and_valid_arguments(shell, tmp_results):
+    fresh = importlib.reload(recorded)  # a fresh kernel: no setup_notebook yet
+    with pytest.raises(cg.RecordingError, match="setup_notebook"):
+        fresh.recorded_cell(" k", "x = 1")
+    fresh.setup_notebook("01_demo")
+    with pytest.raises(cg.InputError, match="bad %%recorded arguments"):
+        run_cell(shell, "", "x = 1")
