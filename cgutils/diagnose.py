@@ -70,6 +70,12 @@ _RULES: list[tuple[str, str, str, str]] = [
      "call model.eval() so dropout is off; for intentional randomness use the default CUDA "
      "generator, which torch.cuda.graph registers, or register yours with "
      "graph.register_generator_state(gen)"),
+    ("unforked_stream", r"cudaErrorStreamCaptureIsolation|uncaptured work|crosses the capture sequence boundary",
+     "the capture stream waited on work from a stream that was not part of the capture: a side stream "
+     "used inside capture without being forked from the capture stream first, so joining it back "
+     "(wait_stream) would depend on work outside the graph",
+     "fork before you use a side stream inside capture: side.wait_stream(torch.cuda.current_stream()), "
+     "then launch on it and join back with torch.cuda.current_stream().wait_stream(side)"),
     ("unjoined", r"cudaErrorStreamCaptureUnjoined|unjoined",
      "work forked onto another stream during capture was not joined back",
      "make the capture stream wait on every side stream (stream.wait_stream) before capture ends"),

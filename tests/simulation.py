@@ -48,10 +48,16 @@ class SimulatedBackend:
     def synchronize(self):
         pass
 
-    def capture(self, fn, *, warmup=3, pool=None, on_last_warmup=None, what="function", debug=False):
+    def follow(self, last):
+        return None
+
+    def capture(self, fn, *, warmup=3, pool=None, on_last_warmup=None, on_warmup=None, what="function",
+                debug=False):
         with torch.no_grad():
-            for _ in range(warmup):
+            for i in range(warmup):
                 out = fn()
+                if on_warmup is not None:
+                    on_warmup(i, out)
             if on_last_warmup is not None:
                 on_last_warmup(out)
             static_out = fn()

@@ -13,6 +13,7 @@ import torch
 from ..checks import check_int, first_line
 from ..diagnose import explain, find_sync_points
 from ..errors import CaptureError
+from .state import rng_restore, rng_snapshot
 
 
 def pool_reserved_bytes(pool: Any) -> int:
@@ -28,18 +29,14 @@ def pool_reserved_bytes(pool: Any) -> int:
 
 
 def reset_rng_after_failed_capture() -> None:
-    """Return PyTorch's default CUDA generators to eager use after a capture that raised."""
-    # When capture fails, PyTorch raises before its default CUDA generators leave capture mode, and
-    # every later random op then fails with "Offset increment outside graph capture". A clone of a
-    # generator state keeps seed and offset but not the capture flag (CUDAGeneratorState::clone in
-    # ATen/cuda/CUDAGeneratorImpl.cpp), so installing one restores normal eager use.
-    for i in range(torch.cuda.device_count()):
-        gen = torch.cuda.default_generators[i]
-        if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
-            try:
-                gen.graphsafe_set_state(gen.clone_state())
-            except RuntimeError:
-                pass
+    """Return PyTorch's default CUDA generators to eager use after a capture that raised.
+
+    When capture fails, PyTorch raises before its default CUDA generators leave capture mode, and every
+    later random op then fails with "Offset increment outside graph capture". Installing a clone of
+    each generator's state (seed and offset kept, capture flag cleared) restores normal eager use;
+    :func:`capture_graph` does this itself, restoring the states from before capture.
+    """
+    rng_restore(rng_snapshot())
 
 
 def autocast_state() -> tuple:
@@ -90,18 +87,29 @@ def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Capture
         where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}" for r in syncs.head(5).itertuples())
         more = f"\n  ... and {len(syncs) - 5} more (see .sync_points)" if len(syncs) > 5 else ""
         note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}"
-    elif syncs is not None:
-        note = "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
+    cause = "sync" if syncs is not None and len(syncs) else (why.key if why else "")
+    if syncs is not None and not len(syncs):
+        if cause == "sync":
+            # CUDA refused a call during capture, yet nothing in PyTorch synchronised: the call came from
+            # code that PyTorch does not see (an extension or library calling the CUDA runtime itself).
+            cause, note = "external_sync", (
+                "\nAn eager rerun found no sync made through PyTorch, so the refused call comes from outside "
+                "it: a C++/CUDA extension or library calling cudaStreamSynchronize, cudaDeviceSynchronize, a "
+                "blocking cudaMemcpy or cudaMalloc. Find it with `nsys profile -t cuda` around one eager call, "
+                "then move that call out of the graphed function or make it asynchronous.")
+        else:
+            note = "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
     return CaptureError(
         f"CUDA graph capture of {what} failed: {type(exc).__name__}: {first_line(exc)}\n"
-        + (str(why) if why else "No known pattern matched the error text.") + note,
-        original=exc, explanation=str(why or ""), sync_points=syncs,
+        + (str(why) if why and cause != "external_sync" else "" if why else "No known pattern matched the error text.")
+        + note, original=exc, explanation=str(why or ""), sync_points=syncs,
         # syncs found by running the code are firmer evidence than a match on the error text
-        cause="sync" if syncs is not None and len(syncs) else (why.key if why else ""))
+        cause=cause)
 
 
 def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                   on_last_warmup: Callable[[Any], None] | None = None,
+                  on_warmup: Callable[[int, Any], None] | None = None,
                   what: str = "function", debug: bool = False) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm ``fn`` up on a side stream, then capture one call of it into a CUDA graph.
 
@@ -111,6 +119,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         pool: memory-pool handle to capture into (``torch.cuda.graph_pool_handle()``); ``None`` for a
             private one.
         on_last_warmup: called with the output of the last warm-up call (e.g. to keep a reference).
+        on_warmup: called as ``on_warmup(i, output)`` after warm-up call ``i`` (0-based), on the side
+            stream (e.g. to snapshot or restore state the call changed).
         what: name used in error messages.
         debug: keep the graph's description so that ``graph.debug_dump(path)`` can write it as a
             Graphviz DOT file (see :func:`cgutils.capture.graph_node_types`).
@@ -119,8 +129,14 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         ``(graph, static_output)``: the output tensors live in the pool and are rewritten by each
         ``graph.replay()``.
 
-    Under ``torch.autocast("cuda")``, warm-up and capture run with autocast's cast cache off, so
-    the graph casts the weights itself instead of reading cached copies that die with the context.
+    Capture runs in CUDA's thread-local capture mode (``cudaStreamCaptureModeThreadLocal``): CUDA calls
+    that other threads make meanwhile (a data loader copying pinned batches, a library allocating) do
+    not invalidate it, while an illegal call in this thread still fails it. Under
+    ``torch.autocast("cuda")``, warm-up and capture run with autocast's cast cache off, so the graph
+    casts the weights itself instead of reading cached copies that die with the context.
+
+    If capture fails, the caller's current stream and the default CUDA generators' states are put back
+    as they were before capture, and the abandoned capture is ended, so eager work goes on as before.
 
     Raises:
         InputError: ``warmup`` is not an int >= 1.
@@ -131,8 +147,10 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
     side.wait_stream(torch.cuda.current_stream())
     with autocast_without_cache():
         with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(warmup):
+            for i in range(warmup):
                 out = fn()
+                if on_warmup is not None:
+                    on_warmup(i, out)
             if on_last_warmup is not None:
                 on_last_warmup(out)
             del out
@@ -141,14 +159,31 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         graph = torch.cuda.CUDAGraph()
         if debug:
             graph.enable_debug_mode()
+        stream, rng = torch.cuda.current_stream(), rng_snapshot()
+        ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
         try:
-            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            with ctx, torch.no_grad():
                 static_out = fn()
         except Exception as exc:
-            reset_rng_after_failed_capture()
+            # torch.cuda.graph's __exit__ calls capture_end before leaving its stream context, so an
+            # error there left the caller on the capture stream (torch 2.11 and 2.14 alike).
+            _end_abandoned_capture(graph, ctx.capture_stream)
+            torch.cuda.set_stream(stream)
+            rng_restore(rng)
             raise capture_failure(exc, fn, what) from exc
     torch.cuda.synchronize()
     return graph, static_out
+
+
+def _end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cuda.Stream) -> None:
+    """End a capture that an error interrupted before ``capture_end`` ran, so that the stream stops
+    capturing and the allocator stops routing its allocations to the graph's pool."""
+    with torch.cuda.stream(capture_stream):
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # an invalidated capture ends with an error; ended is what matters here
 
 
 class CudaBackend:
@@ -176,6 +211,15 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def follow(self, last: Any) -> Any:
+        """Order the current stream after ``last`` (the stream of the previous call) when the two differ,
+        and return the current stream. A call's copy-in must not overtake the previous call's replay and
+        copy-out, which another thread may have queued on another stream."""
+        current = torch.cuda.current_stream()
+        if last is not None and current != last:
+            current.wait_stream(last)
+        return current
 
     def capture(self, fn: Callable[[], Any], **kwargs: Any) -> tuple[Any, Any]:
         """:func:`capture_graph` with the same keyword arguments."""

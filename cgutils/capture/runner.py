@@ -24,10 +24,9 @@ capture and replay run under ``torch.no_grad()``.
 from __future__ import annotations
 
 import dataclasses
-import time
+import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,23 +34,18 @@ from torch import nn
 
 from ..checks import check_int, is_number, require_cuda
 from ..errors import CaptureError, InputError
-from .buckets import Buckets, Cuts, apply_cuts, copy_padded, learn_cuts, resize
-from .compare import check_first_replay, check_later_replay, check_padding, rtol_for
+from .buckets import Buckets, apply_cuts, learn_cuts, resize
+from .compare import check_later_replay, check_padding, rtol_for
+from .entry import GraphEntry, capture_entry
 from .graph import CUDA, CudaBackend, autocast_state
-from .nest import nbytes, opaque_types, same_value, tree_map
+from .nest import same_value, tree_map
 from .signature import ArgSpec, Binder, Call, check_inputs
-from .stats import GraphInfo, RunnerStats
+from .stats import RunnerStats
 
 _MAX_PATTERNS = 64  # accepted call patterns remembered for the fast path (a bounded memo, not a record)
-
-
-@dataclass
-class _Graph:
-    graph: Any  # torch.cuda.CUDAGraph, or the backend's stand-in
-    static_inputs: list[torch.Tensor]
-    static_output: Any
-    info: GraphInfo
-    cuts: Cuts = field(default_factory=dict)  # learned from the first call that pads each dim (_output)
+# CUDAGraph Trees warns past this many graphs for one function (torch._inductor.config.triton.
+# cudagraph_dynamic_shape_warn_limit, 8 in torch 2.4-2.14)
+GRAPH_COUNT_WARNING = 8
 
 
 class GraphRunner:
@@ -130,8 +124,11 @@ class GraphRunner:
         self._pool, self._backend, self._binder = pool, backend, Binder(fn)
         self._spec: list[ArgSpec] | None = None
         self._accepted: list[tuple] = []
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: dict[tuple, GraphEntry] = {}
         self._replays = self._fallbacks = 0
+        # One call at a time: copy-in, replay and copy-out share the static buffers, so a runner shared
+        # by threads must not interleave them; calls from different streams are ordered by _stream.
+        self._lock, self._stream = threading.RLock(), None
         _warn_if_training(fn)
 
     @property
@@ -145,6 +142,10 @@ class GraphRunner:
         return f"GraphRunner({name}, graphs={len(self._graphs)}, replays={self._replays})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._checked(*args, **kwargs)
+
+    def _checked(self, *args: Any, **kwargs: Any) -> Any:
         call = self._binder.bind(args, kwargs)
         # Replay is the hot path: a call whose argument kinds, dtypes, ranks, devices and values equal
         # an already accepted call skips the full check (it would pass) and its error formatting.
@@ -156,6 +157,7 @@ class GraphRunner:
             if not self._backend.available():
                 require_cuda("GraphRunner", "call the model eagerly instead")
             self._buckets.check_pad_names(call.named)
+        self._stream = self._backend.follow(self._stream)
         out = self._run(call)
         if specs is not None:
             # Only now: a first call that failed (a wrong argument, an error in fn) must not become
@@ -176,12 +178,16 @@ class GraphRunner:
         if entry is None:
             entry = self._graphs[key] = self._capture(call, targets, key[-1])
         else:
-            self._load(entry.static_inputs, named)
-        entry.graph.replay()
-        entry.info.replays += 1
-        self._replays += 1
-        out = self._output(entry, call, targets)
-        if 1 < entry.info.replays <= self.validate_replays + 1:
+            entry.load(named, self._buckets)
+        if entry.first_output is not None:  # a function with state: its first call was the first warm-up
+            out, entry.first_output = self._output(entry, call, targets, entry.first_output), None
+        else:
+            entry.graph.replay()
+            entry.info.replays += 1
+            self._replays += 1
+            out = self._output(entry, call, targets, entry.static_output)
+        entry.after_replay(named, self.clone_outputs)
+        if 1 < entry.info.replays <= self.validate_replays + 1 and not entry.changes.stateful:
             try:
                 check_later_replay(out, self._eager(call), rtol_for(out, self.rtol), f"replay {self._replays} of {self!r}")
             except CaptureError:
@@ -189,16 +195,17 @@ class GraphRunner:
                 raise
         return out
 
-    @torch.no_grad()
-    def _eager(self, call: Call) -> Any:
-        return call.run(self._call)
+    def _eager(self, call: Call, entry: GraphEntry | None = None) -> Any:
+        """``fn`` on the caller's arguments; for a function with state, undone afterwards (a check, not a call)."""
+        undo = entry.undo(call.named) if entry is not None and entry.changes.stateful else None
+        try:
+            with torch.no_grad():
+                return call.run(self._call)
+        finally:
+            if undo is not None:
+                undo.restore()
 
-    def _load(self, static_inputs: list[torch.Tensor], named: list) -> None:
-        """Copy this call's tensors into a graph's static inputs, padded up to the bucket."""
-        for buf, (name, t) in zip(static_inputs, named, strict=True):
-            copy_padded(buf, t.detach(), self._buckets.pad_of(name))
-
-    def _output(self, entry: _Graph, call: Call, targets: list) -> Any:
+    def _output(self, entry: GraphEntry, call: Call, targets: list, static: Any) -> Any:
         """The static outputs, cut back along the padded dims and cloned with ``clone_outputs``.
 
         The dims to cut are learned per graph by :func:`~cgutils.capture.buckets.learn_cuts` from the
@@ -207,14 +214,14 @@ class GraphRunner:
         """
         padded = self._buckets.padded(call.named, targets)
         if not padded:
-            return tree_map(torch.clone, entry.static_output) if self.clone_outputs else entry.static_output
+            return tree_map(torch.clone, static) if self.clone_outputs else static
         if padded.keys() <= entry.cuts.keys():
-            return apply_cuts(entry.static_output, entry.cuts, padded, self.clone_outputs)
-        expected = self._eager(call)
-        learned, ambiguous = learn_cuts(entry.static_output, expected, padded)
-        out = apply_cuts(entry.static_output, {**entry.cuts, **learned}, padded, self.clone_outputs)
+            return apply_cuts(static, entry.cuts, padded, self.clone_outputs)
+        expected = self._eager(call, entry)
+        learned, ambiguous = learn_cuts(static, expected, padded)
+        out = apply_cuts(static, {**entry.cuts, **learned}, padded, self.clone_outputs)
         if self.validate:
-            check_padding(out, expected, rtol_for(entry.static_output, self.rtol, {t.dtype for _, t in call.named}))
+            check_padding(out, expected, rtol_for(static, self.rtol, {t.dtype for _, t in call.named}))
         # Stored only once checked (a call after a failed check must fail the same way), and only for
         # dims this call told apart: two padded dims with the same (bucket, length) are cut correctly
         # now, but which one an output dim follows is learned at a later call.
@@ -227,7 +234,7 @@ class GraphRunner:
             sizes = {n: tuple(t.shape) for n, t in call.named}
             warnings.warn(f"{self!r}: input shapes {sizes} exceed the largest bucket {self.buckets}; running "
                           f"eagerly (no graph). Add a larger bucket if this size is common; "
-                          f"stats.fallbacks counts these calls.", stacklevel=4)
+                          f"stats.fallbacks counts these calls.", stacklevel=5)
         return self._eager(call)
 
     def capture_buckets(self, *args: Any, **kwargs: Any) -> RunnerStats:
@@ -262,48 +269,30 @@ class GraphRunner:
         targets = [self._buckets.target_shape(t) for _, t in call.named]
         if all(tg is not None for tg in targets) and self._buckets.padded(call.named, targets):
             entry = self._graphs[_graph_key(call.named, targets)]
-            self._load(entry.static_inputs, call.named)
+            entry.load(call.named, self._buckets)
             entry.graph.replay()
-            self._output(entry, call, targets)
+            self._output(entry, call, targets, entry.static_output)
         return self.stats
 
-    def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> _Graph:
-        t_start = time.perf_counter()
-        named = call.named
-        static_inputs = [torch.empty(tg, dtype=t.dtype, device=t.device) for (_, t), tg in zip(named, targets, strict=True)]
-        self._load(static_inputs, named)
-        s_args, s_kwargs = call.substitute(static_inputs)
+    def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> GraphEntry:
         if self._pool is None:
             self._pool = self._backend.new_pool()
-        kept: dict[str, Any] = {}
-
-        def keep_reference(out: Any) -> None:
-            if self.validate:
-                kept["expected"] = tree_map(torch.clone, out)
-
-        pool_before = self._backend.pool_bytes(self._pool)
-        graph, static_out = self._backend.capture(lambda: self._call(*s_args, **s_kwargs), warmup=self.warmup,
-                                                  pool=self._pool, on_last_warmup=keep_reference, what=repr(self))
-        pool_bytes = max(0, self._backend.pool_bytes(self._pool) - pool_before)
-        rel = None
-        if self.validate:
-            # The validation replay reads the static inputs that already hold this call's data, so the
-            # caller's replay in _run recomputes the same answer: cheap, and one code path.
-            graph.replay()
-            self._backend.synchronize()
-            rel = check_first_replay(static_out, kept["expected"], rtol_for(static_out, self.rtol, {t.dtype for _, t in named}))
-        opaque = opaque_types(static_out)
-        if opaque:
-            warnings.warn(
-                f"{self!r}: the outputs hold {', '.join(opaque)}, which GraphRunner cannot look inside: tensors "
-                f"in them are static buffers that each replay overwrites, never cloned, cut back or validated "
-                f"(a transformers cache, say: pass use_cache=False). Return plain tensors, tuples, lists, "
-                f"dicts or dataclasses instead.", stacklevel=4)
-        info = GraphInfo(signature=_signature(named, targets, autocast),
-                         capture_ms=(time.perf_counter() - t_start) * 1e3, pool_bytes=pool_bytes,
-                         static_input_bytes=nbytes(static_inputs), static_output_bytes=nbytes(static_out),
-                         max_rel_error=rel)
-        return _Graph(graph, static_inputs, static_out, info)
+        entry = capture_entry(self._call, self.fn, call, targets, buckets=self._buckets, backend=self._backend,
+                              pool=self._pool, warmup=self.warmup, validate=self.validate, rtol=self.rtol,
+                              what=repr(self), signature=_signature(call.named, targets, autocast))
+        if self._buckets and entry.changes.tensors:
+            raise InputError(
+                f"{self!r}: the function updates {', '.join(n for n, _ in entry.changes.tensors)} in place, and "
+                f"buckets pad its inputs: padded positions would be written into that state, which an eager call "
+                f"never writes. Drop buckets= for this function (one graph per shape), or keep the in-place "
+                f"update outside the graphed function. (Its first warm-up call has run once.)")
+        if len(self._graphs) == GRAPH_COUNT_WARNING:  # this capture makes one more: warn once
+            mib = (self.stats.memory_bytes + entry.info.memory_bytes) / 2**20
+            warnings.warn(f"{self!r}: {len(self._graphs) + 1} graphs captured, one per input shape, holding "
+                          f"{mib:.1f} MiB (pool growth and static inputs) so far; each new shape costs a capture and "
+                          f"more memory. Pad to a few sizes with GraphRunner(..., buckets={{dim: sizes}}) (notebook 03).",
+                          stacklevel=5)
+        return entry
 
 
 def _graph_key(named: list, targets: list) -> tuple:

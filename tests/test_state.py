@@ -1,0 +1,141 @@
+"""Functions with state: in-place updates of inputs and module buffers, attributes rebound in forward,
+Python values changed in forward. GraphRunner must leave what the caller sees as K eager calls would
+(CPU; replays simulated by tests/simulation.py, which shares module buffers as a real graph does)."""
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+import cgutils as cg
+
+
+class Normalise(torch.nn.Module):
+    """The image model of a real bug report: its first step normalises the input in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(0.5))
+        self.register_buffer("std", torch.tensor(2.0))
+
+    def forward(self, img):
+        img.sub_(self.mean).div_(self.std)
+        return img * 3
+
+
+class Counter(torch.nn.Module):
+    """A decode step in miniature: a position held in a CUDA tensor, advanced in place every call, and a
+    cache written at that position."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(8))
+
+    def forward(self, x):
+        self.cache.index_copy_(0, self.pos.view(1), x.sum().view(1))
+        self.pos.add_(1)
+        return self.cache * 1
+
+
+def test_an_input_normalised_in_place_equals_eager_including_the_callers_tensor(simulated):
+    """GraphRunner blamed "randomness such as dropout or a CPU value" (warm-ups normalised the static
+    input four times), and a replay changed only the static buffer, never the caller's tensor."""
+    model = Normalise()
+    runner = cg.GraphRunner(model, backend=simulated)
+    for i in range(3):
+        x = torch.randn(2, 4)
+        mine, theirs = x.clone(), x.clone()
+        with pytest.warns(UserWarning, match="updates img in place") if i == 0 else warnings.catch_warnings():
+            got = runner(mine)
+        torch.testing.assert_close(got, model(theirs))
+        torch.testing.assert_close(mine, theirs)  # the caller's tensor changed as eager changes it
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_stateful_step_called_k_times_leaves_the_state_of_k_eager_calls(simulated, validate):
+    """Warm-up (3 calls) and validation advanced the position 5 times on the first call, so the cache was
+    written at the wrong places from then on."""
+    graphed, eager = Counter(), Counter()
+    runner = cg.GraphRunner(graphed, validate=validate, backend=simulated)
+    for k in range(5):
+        x = torch.full((3,), float(k + 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = runner(x)
+        torch.testing.assert_close(got, eager(x))
+        assert int(graphed.pos) == int(eager.pos) == k + 1
+    torch.testing.assert_close(graphed.cache, eager.cache)
+    assert runner.stats.captures == 1 and runner.stats.replays == 4  # the first call was the one eager call
+
+
+def test_buckets_with_an_in_place_update_are_refused_by_name(simulated):
+    """Padding writes the padded positions into the state (a cache) that eager never writes: a clear error
+    naming the tensor instead of a padding check that blames the attention mask."""
+    runner = cg.GraphRunner(Counter(), buckets={0: (4,)}, backend=simulated)
+    with pytest.raises(cg.InputError, match=r"updates Counter\.pos, Counter\.cache in place"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner(torch.ones(3))
+
+
+class Keeps(torch.nn.Module):
+    """Keeps features for later, as users do to read an intermediate result, and counts calls in Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.hidden = x * 2
+        self.calls += 1
+        return self.hidden + 1
+
+
+def test_attributes_rebound_in_forward_are_named(simulated):
+    """After a replay, model.hidden held the tensor from capture time (or from a validation call), and
+    nothing said so. (That it follows each replay needs a real graph: tests/test_gpu.py.)"""
+    model = Keeps()
+    runner = cg.GraphRunner(model, backend=simulated)
+    with pytest.warns(UserWarning, match=r"rebinds Keeps\.hidden") as record:
+        runner(torch.ones(3))
+    assert any("Keeps.calls" in str(w.message) and "holds no tensor" in str(w.message) for w in record)
+
+
+def test_a_runner_shared_by_threads_gives_each_call_its_own_result(simulated):
+    """Copy-in, replay and copy-out of one call were not kept together: another thread's copy-in could land
+    between them, and the result belonged to the other thread's input."""
+    import threading
+
+    runner = cg.GraphRunner(lambda x: x * 2, backend=simulated)
+    runner(torch.zeros(4))
+    wrong, old = [], sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+
+    def worker(t):
+        for i in range(50):
+            x = torch.full((4,), float(t * 1000 + i))
+            if not torch.equal(runner(x), x * 2):
+                wrong.append((t, i))
+
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert wrong == [] and runner.stats.replays == 8 * 50 + 1
+
+
+def test_many_shapes_warn_with_numbers(simulated):
+    """24 sequence lengths gave 24 graphs silently; CUDAGraph Trees warns after 8."""
+    runner = cg.GraphRunner(lambda x: x + 1, backend=simulated)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for n in range(1, 13):
+            runner(torch.ones(n))
+    hits = [str(w.message) for w in record if "graphs captured" in str(w.message)]
+    assert len(hits) == 1 and "9 graphs captured" in hits[0] and "MiB" in hits[0] and "buckets" in hits[0]
