@@ -2,8 +2,11 @@
 
 An entry (:class:`Pitfall`) pairs a reproducer with a ``diagnose`` step, which runs it through cgutils
 and returns the observed row, and a ``check_fix`` step, which runs the fix and says whether it works.
-The reproducers and fixes themselves, and the catalogue of entries, are in :mod:`cgutils.pitfalls`:
-the lines reported for them are lines of that file.
+The reproducers and fixes themselves, and the catalogue of entries, are in :mod:`cgutils.pitfalls` (and,
+for the entries of real use, :mod:`cgutils.pitfalls_real_use`, whose steps are in
+:mod:`cgutils.pitfall_cases_real_use`): the lines reported for them are lines of those files. Every step
+leaves the caller's current stream as it found it and the default CUDA generators usable, also after a
+failed capture (:func:`kept_stream`, :func:`raw_failure`), so that no entry changes the outcome of the next.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +120,22 @@ def observed_row(exc: BaseException | None = None, **extra: Any) -> dict:
     return row
 
 
+@contextmanager
+def kept_stream() -> Iterator[None]:
+    """Put the caller's current CUDA stream back when the block exits, raised or not.
+
+    ``torch.cuda.graph`` switches to its capture stream on entry and, when ``capture_end`` raises in its
+    ``__exit__``, never switches back (torch/cuda/graphs.py: ``capture_end()`` runs before the stream
+    context's ``__exit__``). A catalogue entry that let that through would leave every later entry
+    running on the capture stream: the ``default_stream`` entry once recorded "no error" that way.
+    """
+    stream = torch.cuda.current_stream()
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(stream)
+
+
 def raw_failure(exc: BaseException) -> dict:
     """The row for a capture that raised outside cgutils: the raw error and what explain() makes of it."""
     reset_rng_after_failed_capture()  # else every later random op fails ("Offset increment ...")
@@ -136,9 +156,11 @@ def through_runner(p: Pitfall, x: torch.Tensor) -> dict:
 
 
 def through_validate_replay(p: Pitfall, x: torch.Tensor) -> dict:
-    """A manual graph (``bad(x)`` returns the graphed callable) through validate_replay on three inputs."""
+    """A manual graph (``bad(x)`` returns the graphed callable) through validate_replay on three inputs.
+    A capture that raises is recorded raw; the caller's stream and RNG are put back after it."""
     try:
-        validate_replay(p.bad(x), lambda t: t * 2, [(example(s),) for s in (1, 2, 3)])
+        with kept_stream():
+            validate_replay(p.bad(x), lambda t: t * 2, [(example(s),) for s in (1, 2, 3)])
     except CgutilsError as exc:
         return observed_row(exc)
     except Exception as exc:  # capture itself refused it: record the raw error and its explanation
@@ -198,23 +220,28 @@ def new_shapes_check(p: Pitfall, x: torch.Tensor) -> dict:
 
 
 def manual_capture(fn: Callable[[], Any], *, on_default_stream: bool = False) -> dict:
-    """Capture ``fn`` with no warm-up and report what happened (error explained, or replay vs eager)."""
+    """Capture ``fn`` with no warm-up and report what happened (error explained, or replay vs eager).
+
+    After a failure the caller's current stream and the default CUDA generators are put back (:func:`kept_stream`,
+    :func:`raw_failure`), so that an entry leaves nothing behind for the next one.
+    """
     g = torch.cuda.CUDAGraph()
     try:
-        if on_default_stream:
-            g.capture_begin()  # on the current stream: PyTorch's default stream unless the caller set another
-            try:
-                out = fn()
-            finally:
-                g.capture_end()
-        else:
-            with torch.cuda.graph(g):
-                out = fn()
-        g.replay()
-        torch.cuda.synchronize()
-        err = max_rel_error(out, fn())
+        with kept_stream():  # torch.cuda.graph leaves its capture stream current when capture_end raises
+            if on_default_stream:
+                g.capture_begin()  # on the current stream: PyTorch's default stream unless the caller set another
+                try:
+                    out = fn()
+                finally:
+                    g.capture_end()
+            else:
+                with torch.cuda.graph(g):
+                    out = fn()
+            g.replay()
+            torch.cuda.synchronize()
+            err = max_rel_error(out, fn())
     except Exception as exc:  # the raw CUDA/PyTorch error is the observation here
-        return raw_failure(exc)
+        return raw_failure(exc)  # also resets the default CUDA generators
     return observed_row(None, message=f"no error; replay vs eager max relative error {err:.3g}", max_rel_error=err)
 
 

@@ -1,15 +1,14 @@
 """The pitfall catalogue: each way a CUDA graph fails, as a minimal reproducer that runs.
 
 Every entry (:class:`~cgutils.pitfall_cases.Pitfall`) has a reproducer (``bad``, its offending line marked
-``# <- pitfall``), what cgutils reports about it (``diagnose``: exception class, cause key, for syncs the op
-and line) and the fix (``good``, tried by the entry's own ``check_fix``); :mod:`cgutils.pitfall_cases` runs
-and observes them. ``run()`` executes one entry on the GPU; ``catalogue_table()`` runs them all. Sources: the
-CUDA Programming Guide ("CUDA Graphs", "Stream capture") and the PyTorch docs ("CUDA Graphs" in torch.cuda
-semantics, "Constraints"); the outcomes are what the installed torch and driver do, recorded with provenance.
-
-The reproducers stand in for user code: ``run()`` names this file as the user's (``diagnose.user_code``), so
-syncs are reported at their lines here. docs/pitfalls.md and results/ quote the sync reproducers' lines
-(111-145): code above them must keep its length.
+``# <- pitfall``), what cgutils reports (``diagnose``: exception class, cause key, for syncs the op and line)
+and the fix (``good``, tried by the entry's own ``check_fix``); :mod:`cgutils.pitfall_cases` runs and observes
+them. Entries of real use (threads, state, failed captures, other threads, syncs outside PyTorch, unforked
+streams, sampling, many shapes) are in :mod:`cgutils.pitfalls_real_use`, after these in :data:`PITFALLS`.
+``run()`` runs one entry on the GPU, with the reproducers' files as the user's (``diagnose.user_code``: syncs
+are reported at their lines); ``catalogue_table()`` runs all. Sources: the CUDA Programming Guide ("CUDA
+Graphs", "Stream capture"), the PyTorch docs ("CUDA Graphs" in torch.cuda semantics); outcomes are what this
+torch and driver do. docs/pitfalls.md quotes the sync reproducers' lines (111-145): code above keeps its length.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from . import pitfall_cases as cases
+from . import pitfalls_real_use as real_use
 from .capture import GraphRunner, capture_graph
 from .checks import require_cuda
 from .diagnose import user_code
@@ -50,7 +50,7 @@ def run(key: str) -> dict:
     if key not in PITFALLS:
         raise InputError(f"unknown pitfall {key!r}; the catalogue has {sorted(PITFALLS)}")
     require_cuda("pitfalls.run()", "docs/pitfalls.md shows the recorded outcomes")
-    with user_code([__file__]):  # sync points are reported at the reproducers' lines in this file
+    with user_code([__file__, real_use.__file__]):  # sync points are reported at the reproducers' lines
         return run_entry(PITFALLS[key], cases.example())
 
 
@@ -85,7 +85,7 @@ def markdown_table(df) -> str:
     """
     lines = ["| # | pitfall | kind | what happens (recorded) | cgutils diagnosis | fix |",
              "|---|---|---|---|---|---|"]
-    text = [c for c in ("exception", "cause", "op", "original", "message") if c in df]
+    text = [c for c in ("exception", "cause", "op", "original", "message", "happens") if c in df]
     df = df.astype({c: object for c in text}).fillna({c: "" for c in text})  # a CSV round trip leaves NaN
     for i, r in enumerate(df.itertuples(), 1):
         entry = PITFALLS.get(r.key) if hasattr(r, "key") else None
@@ -94,12 +94,12 @@ def markdown_table(df) -> str:
         if getattr(r, "cause", ""):
             diag += f" (cause `{r.cause}`)"
         if getattr(r, "op", ""):
-            diag += f": `{r.op}` at line {int(r.line)}"
+            diag += f": `{r.op}` at {_file_of(entry)}line {int(r.line)}"
         err = re.search(r"max relative error ([0-9.e+-]+)", r.message or "")
-        if kind == "silent" and err:  # the silent outcome itself, not cgutils' report of it
+        if kind == "silent" and err and not getattr(r, "happens", ""):  # the silent outcome, not cgutils' report
             happens = f"no error from PyTorch; the replay is wrong by a relative error of {err.group(1)} against eager"
         else:
-            happens = str(getattr(r, "original", "") or r.message)
+            happens = str(getattr(r, "happens", "") or getattr(r, "original", "") or r.message)
         lines.append(f"| {i} | {title} | {kind} | {happens.replace('|', '/')} | {diag} | {fix.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
@@ -338,10 +338,10 @@ PITFALLS: dict[str, Pitfall] = {p.key: p for p in [
             expect={"exception": "CaptureError", "cause": "baked_value"}),
     Pitfall(key="dropout_train", title="dropout in training mode (RNG)", kind="silent", bad=DropoutNet,
             diagnose=cases.training_mode_check,
-            fix="model.eval() for inference. The mask is not frozen: the default CUDA generator is registered, "
-                "so each replay draws a new one; cgutils reports baked_value because replay no longer matches "
-                "the eager call it is compared with",
-            expect={"exception": "CaptureError", "cause": "baked_value", "warned": True}),
+            fix="model.eval() for inference; GraphRunner warns about a module in training mode. The mask is not "
+                "frozen: dropout draws from the default CUDA generator, which the graph registers, so each replay "
+                "draws a new one",
+            expect={"warned": True}),
     Pitfall(key="new_shape", title="a new input shape: one more graph and its memory", kind="cost",
             bad=_new_shape_fn, diagnose=cases.new_shapes_check,
             fix="bucket the dynamic dim: GraphRunner(fn, buckets={1: (128, 256, 512)}) pads up and shares one pool",
@@ -357,8 +357,15 @@ PITFALLS: dict[str, Pitfall] = {p.key: p for p in [
             expect={}),
     Pitfall(key="default_stream", title="capture_begin on the default stream", kind="documented",
             bad=_default_stream, diagnose=cases.default_stream_check,
-            fix="capture on a side stream anyway: torch.cuda.graph does, or wrap capture_begin/capture_end in "
+            fix="capture on a side stream: torch.cuda.graph does, or wrap capture_begin/capture_end in "
                 "torch.cuda.stream(s). The CUDA Runtime API (cudaStreamBeginCapture) says capture may not begin on "
-                "cudaStreamLegacy; this torch accepted capture_begin() on its default stream (recorded outcome)",
+                "cudaStreamLegacy",
             expect={}),
 ]}
+PITFALLS.update(real_use.REAL_USE)  # the entries of real use, after these
+
+
+def _file_of(entry: Pitfall | None) -> str:
+    """The reproducer's file, for an entry whose reproducer is not in this file ("" for this file's)."""
+    module = getattr(entry.bad, "__module__", __name__) if entry is not None else __name__
+    return "" if module == __name__ else f"{module.rsplit('.', 1)[-1]}.py "

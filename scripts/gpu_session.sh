@@ -22,6 +22,9 @@ python3 -m cgutils env
 step "GPU tests"
 python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests 2>&1 | tee "$out/gpu_tests.log"
 
+step "GraphRunner overhead and threads (benchmarks/runner_overhead.py)"
+python3 benchmarks/runner_overhead.py --out "$out/runner_overhead.json" 2>&1 | tee "$out/runner_overhead.log"
+
 if [ "$what" = smoke ]; then
   step "short benchmark"
   python3 -m cgutils bench --dtypes fp16 --budget 0.3 --out "$out/smoke" 2>&1 | tee "$out/smoke_bench.log"

@@ -142,7 +142,7 @@ def test_graph_methods_memory_is_not_negative():
     assert (df.status == "ok").all() and (df.extra_reserved_bytes >= 0).all()
 
 
-# --- issue 4: diagnostics, validation and buckets ---------------------------------------------------
+# --- diagnostics, validation and buckets -------------------------------------------------------------
 
 def _syncs(x):
     a = x.sum().item()
@@ -326,3 +326,200 @@ def test_graph_captured_under_autocast_outlives_the_context():
             want = lin(x)
     del junk
     assert cg.max_rel_error(got, want) <= 1e-2
+
+
+# --- real use: threads and streams, state, failed captures, other threads' work ----------------------
+
+def _mlp(width=1024, depth=8):
+    layers = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.GELU())]
+    return torch.nn.Sequential(*layers).cuda().eval()
+
+
+def test_threads_and_streams_each_get_their_own_result():
+    """A runner shared by 8 worker threads, each on its own stream: results belonged to other threads'
+    inputs (copy-in, replay and copy-out were not kept together, and streams were not ordered)."""
+    import sys
+    import threading
+
+    model = _mlp()
+    runner = cg.GraphRunner(model)
+    runner(torch.randn(4, 1024, device="cuda"))
+    wrong, errors, old = [], [], sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+
+    def worker(t):
+        stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                for i in range(50):
+                    x = torch.randn(4, 1024, device="cuda")
+                    got = runner(x)
+                    with torch.no_grad():
+                        expected = model(x)
+                    stream.synchronize()
+                    if cg.max_rel_error(got, expected) > 1e-3:
+                        wrong.append((t, i))
+        except Exception as exc:  # surfaced below: a thread's exception would otherwise vanish
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    assert wrong == [] and runner.stats.replays == 401
+
+
+class _Normalise(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(0.5))
+        self.register_buffer("std", torch.tensor(2.0))
+
+    def forward(self, img):
+        img.sub_(self.mean).div_(self.std)
+        return torch.nn.functional.relu(img) * 3
+
+
+def test_an_input_normalised_in_place_equals_eager_including_the_callers_tensor():
+    """The handed example: a CaptureError blaming "randomness such as dropout or a CPU value"."""
+    model = _Normalise().cuda()
+    runner = cg.GraphRunner(model)
+    for i in range(3):
+        x = torch.randn(2, 3, 8, 8, device="cuda")
+        mine, theirs = x.clone(), x.clone()
+        got = runner(mine)
+        with torch.no_grad():
+            expected = model(theirs)
+        assert torch.equal(got, expected) and torch.equal(mine, theirs), f"call {i}"
+
+
+class _Step(torch.nn.Module):
+    """A decode step in miniature: a device position counter and a cache written in place at it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(16, 8))
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.cache.index_copy_(0, self.pos.view(1), self.proj(x))
+        self.pos.add_(1)
+        return self.cache.sum(0)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_stateful_step_called_k_times_leaves_the_state_of_k_eager_calls(validate):
+    graphed, eager = _Step().cuda(), _Step().cuda()
+    eager.load_state_dict(graphed.state_dict())
+    runner = cg.GraphRunner(graphed, validate=validate)
+    for _ in range(7):
+        x = torch.randn(1, 8, device="cuda")
+        got = runner(x)
+        with torch.no_grad():
+            expected = eager(x)
+        torch.testing.assert_close(got, expected)
+    assert int(graphed.pos) == int(eager.pos) == 7
+    torch.testing.assert_close(graphed.cache, eager.cache)
+
+
+def test_a_failed_capture_leaves_the_stream_rng_and_capture_state_as_they_were():
+    """torch.cuda.graph's __exit__ raised inside capture_end before leaving its stream context, so the
+    caller stayed on the capture stream (notebook 04's default_stream entry then ran on it)."""
+    x = torch.ones(4, device="cuda")
+    stream, rng = torch.cuda.current_stream(), torch.cuda.get_rng_state()
+    with pytest.raises(cg.CaptureError):
+        cg.GraphRunner(lambda t: t * t.sum().item())(x)
+    assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    torch.rand(4, device="cuda")
+    assert torch.equal(cg.GraphRunner(lambda t: t * 2)(x), x * 2)
+
+
+def test_other_threads_cuda_work_does_not_invalidate_capture():
+    """A data-prefetch thread pinning and synchronising while the main thread captures: in the global
+    capture mode its calls invalidated the capture, and the diagnosis listed the user's own lines."""
+    import threading
+
+    stop, started, failures = threading.Event(), threading.Event(), []
+
+    def prefetch():
+        n = 1 << 16
+        while not stop.is_set():
+            try:
+                batch = torch.empty(n, pin_memory=True)
+                batch.to("cuda", non_blocking=True)
+                torch.cuda.synchronize()
+            except RuntimeError as exc:
+                failures.append(exc)
+            n += 4096
+            started.set()
+
+    th = threading.Thread(target=prefetch)
+    th.start()
+    started.wait()
+    try:
+        model = _mlp(depth=32)
+        x = torch.randn(4, 1024, device="cuda")
+        got = cg.GraphRunner(model)(x)
+    finally:
+        stop.set()
+        th.join()
+    with torch.no_grad():
+        assert cg.max_rel_error(got, model(x)) <= 1e-3
+
+
+class _Keeps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.hidden = self.lin(x)
+        return self.hidden.relu()
+
+
+def test_an_attribute_rebound_in_forward_follows_each_replay():
+    model = _Keeps().cuda()
+    runner = cg.GraphRunner(model)
+    with pytest.warns(UserWarning, match=r"rebinds _Keeps\.hidden"):
+        runner(torch.randn(2, 8, device="cuda"))
+    for _ in range(3):
+        x = torch.randn(2, 8, device="cuda")
+        runner(x)
+        with torch.no_grad():
+            torch.testing.assert_close(model.hidden, model.lin(x))
+
+
+class _Sampler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 100)
+
+    def forward(self, x):
+        return torch.multinomial(torch.softmax(self.proj(x), -1), 1)
+
+
+def test_sampling_in_an_eval_model_validates_and_draws_fresh_samples():
+    """torch.multinomial (intended randomness) failed validation as a "baked value", with advice to call
+    model.eval() on a model already in eval mode."""
+    model = _Sampler().cuda().eval()
+    runner = cg.GraphRunner(model)
+    x = torch.randn(64, 16, device="cuda")
+    torch.cuda.manual_seed(123)
+    first = runner(x)
+    torch.cuda.manual_seed(123)
+    with torch.no_grad():
+        assert torch.equal(first, model(x))  # the first call is the one eager call, same generator state
+    draws = [runner(x) for _ in range(3)]
+    assert not all(torch.equal(d, draws[0]) for d in draws[1:])  # replays draw new samples
+    torch.cuda.manual_seed(7)
+    replayed = runner(x)
+    torch.cuda.manual_seed(7)
+    with torch.no_grad():
+        assert torch.equal(replayed, model(x))  # a replay draws as eager does from the same state

@@ -2,6 +2,7 @@
 and assert cgutils' diagnosis: exception class, cause, and for syncs the op and the user's line."""
 
 import dataclasses
+import inspect
 import re
 
 import pandas as pd
@@ -9,8 +10,13 @@ import pytest
 import torch
 
 import cgutils as cg
-from cgutils import pitfalls
+from cgutils import pitfall_cases as cases
+from cgutils import pitfall_cases_real_use as real
+from cgutils import pitfalls, pitfalls_real_use
 from cgutils.pitfalls import PITFALLS, Pitfall, run_entry
+
+REAL_USE_KEYS = ["shared_threads", "inplace_input", "stateful_buffer", "rebound_attribute", "failed_capture_stream",
+                 "other_thread_work", "external_sync", "unforked_stream", "sampling", "many_shapes"]
 
 
 def test_catalogue_has_at_least_twelve_entries_of_known_kinds():
@@ -25,7 +31,37 @@ def test_sync_reproducers_mark_their_offending_line(key):
     p = PITFALLS[key]
     line = p.marked_line
     assert line is not None and pitfalls.MARK in p.source
-    assert pitfalls.MARK in open(pitfalls.__file__).read().splitlines()[line - 1]
+    assert pitfalls.MARK in open(inspect.getsourcefile(p.bad)).read().splitlines()[line - 1]
+
+
+def test_every_entry_marks_its_offending_line_in_its_own_file():
+    """The reproducers now live in two files; each marked line must be found in the file of its reproducer."""
+    for key, p in PITFALLS.items():
+        line = p.marked_line
+        assert line is not None, key
+        assert pitfalls.MARK in open(inspect.getsourcefile(p.bad)).read().splitlines()[line - 1], key
+
+
+def test_real_use_entries_follow_the_others_one_per_kind():
+    """Issue 11: every kind of real-use failure gets an entry, after the first catalogue's entries, each with
+    an expectation the GPU test asserts."""
+    assert list(pitfalls_real_use.REAL_USE) == REAL_USE_KEYS
+    assert list(PITFALLS)[-len(REAL_USE_KEYS):] == REAL_USE_KEYS
+    assert len(PITFALLS) == len(set(PITFALLS))
+    for key in REAL_USE_KEYS:
+        p = PITFALLS[key]
+        assert p.kind in pitfalls.KINDS and p.expect and "exception" in p.expect, key
+        assert inspect.getsourcefile(p.bad) == pitfalls_real_use.__file__, key
+
+
+def test_recorded_outcomes_are_not_claimed_in_fix_texts():
+    """default_stream's fix said "this torch accepted capture_begin() on its default stream" (false on torch
+    2.11: the recording had run on a stream that an earlier failed entry left current); dropout_train expected
+    baked_value, which validation from the same generator state no longer has to report."""
+    assert "accepted" not in PITFALLS["default_stream"].fix
+    assert PITFALLS["default_stream"].kind == "documented"
+    assert PITFALLS["dropout_train"].expect == {"warned": True}
+    assert "baked_value" not in PITFALLS["dropout_train"].fix
 
 
 def test_entries_are_built_with_keyword_arguments():
@@ -89,11 +125,88 @@ def test_markdown_shows_the_silent_outcome_and_current_fix_text():
     assert PITFALLS["python_value"].fix in md and "old fix" not in md
 
 
+def test_markdown_prefers_what_the_run_says_happened_and_names_the_reproducers_file():
+    df = pd.DataFrame([
+        {"key": "item", "title": "t", "kind": "loud", "exception": "CaptureError", "cause": "sync", "op": "Tensor.item",
+         "line": 111, "message": "m", "original": "CUDA error", "fix": "f", "happens": None},
+        {"key": "failed_capture_stream", "title": "t", "kind": "loud", "exception": "CaptureError", "cause": "sync",
+         "op": "Tensor.item", "line": 125, "message": "m", "original": "CUDA error", "fix": "f",
+         "happens": "torch.cuda.graph raises AcceleratorError; the stream is left"},
+        {"key": "sampling", "title": "t", "kind": "silent", "exception": "CaptureError", "cause": "baked_value",
+         "op": None, "line": None, "original": None, "fix": "f", "happens": "replays draw new samples",
+         "message": "replay differs from eager: max relative error 0.5 > rtol 0.001"}])
+    md = pitfalls.markdown_table(df).splitlines()
+    assert "`Tensor.item` at line 111" in md[2] and "| CUDA error |" in md[2]  # a CSV round trip: NaN happens
+    assert "`Tensor.item` at pitfalls_real_use.py line 125" in md[3] and "the stream is left" in md[3]
+    assert "replays draw new samples" in md[4] and "relative error of 0.5" not in md[4]
+
+
+class _FakeGraphContext:
+    """torch.cuda.graph as it fails: its capture stream becomes current, and capture_end raises in __exit__
+    before the stream context is left (torch/cuda/graphs.py)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __call__(self, graph, **kwargs):
+        return self
+
+    def __enter__(self):
+        self.state["stream"] = "capture stream"
+
+    def __exit__(self, *exc):
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+@pytest.mark.parametrize("how", ["manual_capture", "through_validate_replay"])
+def test_a_failed_raw_capture_puts_the_callers_stream_and_rng_back(how, monkeypatch):
+    """The default_stream entry recorded "no error" because an earlier entry's failed torch.cuda.graph had left
+    its capture stream current. A CPU stand-in for torch.cuda shows the diagnose steps put the caller's stream
+    back and reset the RNG after such a failure."""
+    state = {"stream": "caller's stream", "rng_resets": 0}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: state.update(stream=stream))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", _FakeGraphContext(state))
+    monkeypatch.setattr(cases, "reset_rng_after_failed_capture",
+                        lambda: state.update(rng_resets=state["rng_resets"] + 1))
+    if how == "manual_capture":
+        row = cases.manual_capture(lambda: None)
+    else:
+        def bad(x):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
+        row = cases.through_validate_replay(dataclasses.replace(PITFALLS["cpu_input"], bad=bad), torch.ones(4, 8))
+    assert state == {"stream": "caller's stream", "rng_resets": 1}
+    assert row["exception"] == "RuntimeError" and row["cause"] == "invalidated", row
+
+
+def test_external_sync_without_a_cuda_runtime_says_so(monkeypatch):
+    monkeypatch.setattr(real, "cuda_runtime", lambda: None)
+    row = real.external_sync_check(PITFALLS["external_sync"], torch.ones(4, 8))
+    assert row["available"] is False and row["exception"] == "" and "cudaDeviceSynchronize" in row["message"]
+
+
+def test_cuda_runtime_lookup_never_raises():
+    """Without a GPU (or without cuda-python and a loaded libcudart) the lookup returns None; with one, a
+    name and a callable that returns None when the sync succeeded."""
+    found = real.cuda_runtime.__wrapped__()  # uncached: the cached value is for the GPU run
+    assert found is None or (isinstance(found[0], str) and callable(found[1]))
+    if not torch.cuda.is_available():
+        assert found is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("key", list(PITFALLS))
 def test_pitfall_is_diagnosed(key):
     p = PITFALLS[key]
+    stream = torch.cuda.current_stream()
     row = pitfalls.run(key)
+    # no entry leaves state for the next one: the caller's stream, and random ops that work
+    assert torch.cuda.current_stream() == stream, row
+    torch.rand(4, device="cuda")
+    if row.get("available") is False:
+        pytest.skip(row["message"])
     for field, want in p.expect.items():
         if field == "op":
             assert row["op"] == want, row
@@ -107,3 +220,25 @@ def test_pitfall_is_diagnosed(key):
             assert row["max_rel_error"] <= 1e-5, row
     assert row["fix_ok"] in (True, None), row
     torch.cuda.synchronize()  # the context is still usable after the failure
+
+
+@pytest.mark.gpu
+def test_manual_capture_restores_the_stream_after_a_real_failure():
+    x = cases.example()
+    stream = torch.cuda.current_stream()
+    row = cases.manual_capture(lambda: x * x.sum().item())
+    assert row["exception"], row
+    assert torch.cuda.current_stream() == stream
+    torch.rand(4, device="cuda")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_raw_capture_records_what_a_failure_leaves_and_repairs_it():
+    x = cases.example()
+    stream = torch.cuda.current_stream()
+    raw = real.raw_capture(lambda: x * x.sum().item())
+    assert raw["raw_exception"] and isinstance(raw["raw_stream_restored"], bool) and "raw_rng_ok" in raw, raw
+    assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
+    torch.rand(4, device="cuda")
+    torch.cuda.synchronize()

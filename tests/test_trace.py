@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cgutils as cg
-from cgutils.trace import union_length, load_trace
+from cgutils.trace import load_trace, union_length
 
 
 def ev(cat, name, ts, dur, **args):

@@ -1,0 +1,128 @@
+"""What GraphRunner's safety costs per call, measured side by side in one run on BERT-base fp16 (batch 1).
+
+Host time per call is what GraphRunner adds: the GPU work of a call is the same graph either way. Each
+variant enqueues ``--calls`` calls (the GPU queue holds them, so the loop measures the host's enqueue
+time) and the median of interleaved trials is reported with its p10-p90 spread:
+
+- raw replay: copy into static inputs, ``graph.replay()``, clone the output (the least any safe caller does);
+- GraphRunner: the same through ``runner(...)`` (binding, input check fast path, lock, stream ordering,
+  copy-back of in-place inputs when there are any, output clone).
+
+Then throughput of one runner shared by 1 and by 8 threads (each thread on its own CUDA stream), with the
+count of wrong results (each checked against eager). Writes a JSON summary with ``--out``.
+
+    python benchmarks/runner_overhead.py [--calls 50] [--trials 15] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+import cgutils as cg
+from cgutils.workloads import WORKLOADS
+
+
+def host_us_per_call(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def spread(samples: list[float]) -> dict:
+    p10, med, p90 = np.percentile(samples, [10, 50, 90])
+    return {"median": float(med), "p10": float(p10), "p90": float(p90), "n": len(samples)}
+
+
+def threads_run(runner, model, n_threads: int, calls_per_thread: int) -> dict:
+    inputs = [[(torch.randint(0, 30000, (1, 128), device="cuda"), torch.ones(1, 128, dtype=torch.int64, device="cuda"))
+               for _ in range(calls_per_thread)] for _ in range(n_threads)]
+    results: list[list] = [[] for _ in range(n_threads)]
+    streams = [torch.cuda.Stream() for _ in range(n_threads)]
+
+    def worker(t: int) -> None:
+        with torch.cuda.stream(streams[t]):
+            for ids, mask in inputs[t]:
+                results[t].append(runner(ids, mask))
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    wrong = 0
+    with torch.no_grad():
+        for t in range(n_threads):
+            for (ids, mask), got in zip(inputs[t], results[t], strict=True):
+                wrong += cg.max_rel_error(got, model(ids, mask)) > 1e-2
+    total = n_threads * calls_per_thread
+    return {"threads": n_threads, "calls": total, "calls_per_s": total / wall, "wrong": int(wrong)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=50, help="calls per timed loop (default 50)")
+    ap.add_argument("--trials", type=int, default=15, help="interleaved trials per variant (default 15)")
+    ap.add_argument("--thread-calls", type=int, default=50, help="calls per thread in the threads run (default 50)")
+    ap.add_argument("--out", help="write the summary as JSON here")
+    args = ap.parse_args()
+    cg.checks.require_cuda("benchmarks/runner_overhead.py")
+
+    built = WORKLOADS["bert-base-seq128"].build("fp16", "cuda")
+    ids, mask = built.inputs(0)
+    runner = cg.GraphRunner(built.step)
+    runner(ids, mask)
+    static_ids, static_mask = ids.clone(), mask.clone()
+    graph, static_out = cg.capture_graph(lambda: built.step(static_ids, static_mask), pool=torch.cuda.graph_pool_handle())
+
+    def raw() -> torch.Tensor:
+        static_ids.copy_(ids)
+        static_mask.copy_(mask)
+        graph.replay()
+        return static_out.clone()
+
+    variants = {"raw replay": raw, "GraphRunner": lambda: runner(ids, mask)}
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for fn in variants.values():
+        host_us_per_call(fn, args.calls)  # warm
+    for _ in range(args.trials):  # interleaved: host noise hits both alike
+        for name, fn in variants.items():
+            samples[name].append(host_us_per_call(fn, args.calls))
+    diffs = [r - w for r, w in zip(samples["GraphRunner"], samples["raw replay"], strict=True)]
+    summary = {
+        "provenance": cg.provenance(), "workload": "bert-base-seq128 fp16",
+        "host_us_per_call": {k: spread(v) for k, v in samples.items()},
+        "runner_minus_raw_us": spread(diffs),
+        "threads": [threads_run(runner, built.step, n, args.thread_calls) for n in (1, 8)],
+    }
+    summary["throughput_8_vs_1"] = summary["threads"][1]["calls_per_s"] / summary["threads"][0]["calls_per_s"]
+    for name, s in summary["host_us_per_call"].items():
+        print(f"{name:12s} host µs/call: median {s['median']:.1f} (p10 {s['p10']:.1f}, p90 {s['p90']:.1f}, n={s['n']})")
+    d = summary["runner_minus_raw_us"]
+    print(f"GraphRunner - raw replay: {d['median']:.1f} µs/call (p10 {d['p10']:.1f}, p90 {d['p90']:.1f}), "
+          f"median of paired trials {statistics.median(diffs):.1f}")
+    for row in summary["threads"]:
+        print(f"{row['threads']} thread(s): {row['calls_per_s']:.0f} calls/s over {row['calls']} calls, "
+              f"{row['wrong']} wrong")
+    print(f"throughput 8 threads / 1 thread: {summary['throughput_8_vs_1']:.2f}x")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
