@@ -15,6 +15,7 @@ import dataclasses
 import os
 import re
 import sysconfig
+import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -263,6 +264,10 @@ class SyncRecorder:
 
     def __init__(self, user_files: UserFiles | None = None):
         self.points: list[SyncPoint] = []
+        # syncs made meanwhile by other threads (a data loader, a metrics thread): not the function's,
+        # but a device-wide one breaks any capture in progress, so a diagnosis must name them
+        self.other_threads: list[tuple[str, SyncPoint]] = []
+        self._thread = threading.get_ident()
         self._user_files = _user_file_set(user_files)
         self._tracker = _OpTracker()
         self._last_call: int | None = None
@@ -270,10 +275,16 @@ class SyncRecorder:
     def _record(self, op: str | None, call: int | None = None) -> None:
         # One user-level call can sync many times inside (printing a tensor syncs once per piece it
         # formats); each user call is reported once.
+        stack = traceback.extract_stack()[:-2]
+        if threading.get_ident() != self._thread:
+            fr = _user_frame(stack, self._user_files) or stack[-1]
+            self.other_threads.append((threading.current_thread().name, SyncPoint(
+                op or "unknown op", fr.filename, fr.lineno or 0, (fr.line or "").strip(), fr.name)))
+            return
         if call is not None and call == self._last_call:
             return
         self._last_call = call
-        fr = _user_frame(traceback.extract_stack()[:-2], self._user_files)
+        fr = _user_frame(stack, self._user_files)
         if fr is None:
             return
         self.points.append(SyncPoint(op or "unknown op", fr.filename, fr.lineno or 0,
@@ -314,10 +325,13 @@ class SyncRecorder:
         self._warnings.__exit__(*exc)
 
     def to_frame(self):
-        """The sync points as a ``pandas.DataFrame`` with columns ``SYNC_COLUMNS``."""
+        """The sync points as a ``pandas.DataFrame`` with columns ``SYNC_COLUMNS``; ``.attrs["other_threads"]``
+        lists ``(thread name, SyncPoint)`` for syncs that other threads made meanwhile."""
         import pandas as pd
 
-        return pd.DataFrame([dataclasses.asdict(p) for p in self.points], columns=SYNC_COLUMNS)
+        df = pd.DataFrame([dataclasses.asdict(p) for p in self.points], columns=SYNC_COLUMNS)
+        df.attrs["other_threads"] = list(self.other_threads)
+        return df
 
 
 def find_sync_points(fn: Callable[..., Any], *args: Any, user_files: UserFiles | None = None, **kwargs: Any):

@@ -441,37 +441,71 @@ def test_a_failed_capture_leaves_the_stream_rng_and_capture_state_as_they_were()
     assert torch.equal(cg.GraphRunner(lambda t: t * 2)(x), x * 2)
 
 
-def test_other_threads_cuda_work_does_not_invalidate_capture():
-    """A data-prefetch thread pinning and synchronising while the main thread captures: in the global
-    capture mode its calls invalidated the capture, and the diagnosis listed the user's own lines."""
+def _background(work):
+    """Run ``work()`` in a loop on another thread until the returned stop() is called; returns stop and the
+    list of errors that thread met."""
     import threading
 
-    stop, started, failures = threading.Event(), threading.Event(), []
+    stop, started, errors = threading.Event(), threading.Event(), []
 
-    def prefetch():
-        n = 1 << 16
+    def loop():
         while not stop.is_set():
             try:
-                batch = torch.empty(n, pin_memory=True)
-                batch.to("cuda", non_blocking=True)
-                torch.cuda.synchronize()
+                work()
             except RuntimeError as exc:
-                failures.append(exc)
-            n += 4096
+                errors.append(exc)
             started.set()
 
-    th = threading.Thread(target=prefetch)
+    th = threading.Thread(target=loop, name="prefetch")
     th.start()
     started.wait()
+
+    def halt():
+        stop.set()
+        th.join()
+
+    return halt, errors
+
+
+def test_other_threads_cuda_work_does_not_invalidate_capture():
+    """A data-prefetch thread pinning batches and copying them on its own stream while the main thread
+    captures: in the global capture mode such calls can invalidate the capture."""
+    stream, sizes = torch.cuda.Stream(), iter(range(1 << 16, 1 << 30, 4096))
+
+    def prefetch():
+        batch = torch.empty(next(sizes), pin_memory=True)  # a new size: a new pinned allocation
+        with torch.cuda.stream(stream):
+            batch.to("cuda", non_blocking=True)
+        stream.synchronize()
+
+    halt, errors = _background(prefetch)
     try:
         model = _mlp(depth=32)
         x = torch.randn(4, 1024, device="cuda")
         got = cg.GraphRunner(model)(x)
     finally:
-        stop.set()
-        th.join()
+        halt()
     with torch.no_grad():
         assert cg.max_rel_error(got, model(x)) <= 1e-3
+    assert not errors, errors[:1]
+
+
+def test_a_device_sync_in_another_thread_is_named_by_the_diagnosis():
+    """A device-wide sync from another thread broke the capture, and the diagnosis listed that thread's
+    torch.cuda.synchronize() as syncs in the user's own function."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # let the other thread run during the capture, as a busy process would
+    halt, _ = _background(torch.cuda.synchronize)
+    try:
+        with pytest.raises(cg.CaptureError) as info:
+            cg.GraphRunner(_mlp(depth=64))(torch.randn(4, 1024, device="cuda"))
+    finally:
+        halt()
+        sys.setswitchinterval(old)
+    assert info.value.cause == "other_thread" and "'prefetch'" in str(info.value)
+    assert len(info.value.sync_points) == 0
 
 
 class _Keeps(torch.nn.Module):

@@ -33,10 +33,18 @@ def reset_rng_after_failed_capture() -> None:
 
     When capture fails, PyTorch raises before its default CUDA generators leave capture mode, and every
     later random op then fails with "Offset increment outside graph capture". Installing a clone of
-    each generator's state (seed and offset kept, capture flag cleared) restores normal eager use;
-    :func:`capture_graph` does this itself, restoring the states from before capture.
+    each generator's state (seed and offset kept, capture flag cleared; CUDAGeneratorState::clone in
+    ATen/cuda/CUDAGeneratorImpl.cpp) restores normal eager use; :func:`capture_graph` does this itself,
+    then puts back the seed and offset from before capture. (Graphs captured earlier keep the replaced
+    state object: their replays no longer follow ``torch.cuda.manual_seed``.)
     """
-    rng_restore(rng_snapshot())
+    for i in range(torch.cuda.device_count()):
+        gen = torch.cuda.default_generators[i]
+        if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
+            try:
+                gen.graphsafe_set_state(gen.clone_state())
+            except RuntimeError:
+                pass
 
 
 def autocast_state() -> tuple:
@@ -88,7 +96,15 @@ def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Capture
         more = f"\n  ... and {len(syncs) - 5} more (see .sync_points)" if len(syncs) > 5 else ""
         note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}"
     cause = "sync" if syncs is not None and len(syncs) else (why.key if why else "")
-    if syncs is not None and not len(syncs):
+    others = syncs.attrs.get("other_threads", []) if syncs is not None else []
+    if syncs is not None and not len(syncs) and others:
+        name, p = others[0]
+        cause, note = "other_thread", (
+            f"\nYour function made no sync, but thread {name!r} synchronised the device meanwhile ({p.op} at "
+            f"{p.file}:{p.line}: {p.code}; {len(others)} syncs from other threads during an eager rerun). A "
+            f"device-wide sync from any thread breaks a capture in progress, whatever the capture mode: pause "
+            f"that thread while capturing, or have it wait on its own stream (stream.synchronize()).")
+    elif syncs is not None and not len(syncs):
         if cause == "sync":
             # CUDA refused a call during capture, yet nothing in PyTorch synchronised: the call came from
             # code that PyTorch does not see (an extension or library calling the CUDA runtime itself).
@@ -101,7 +117,8 @@ def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Capture
             note = "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
     return CaptureError(
         f"CUDA graph capture of {what} failed: {type(exc).__name__}: {first_line(exc)}\n"
-        + (str(why) if why and cause != "external_sync" else "" if why else "No known pattern matched the error text.")
+        + (str(why) if why and cause not in ("external_sync", "other_thread") else "" if why else
+           "No known pattern matched the error text.")
         + note, original=exc, explanation=str(why or ""), sync_points=syncs,
         # syncs found by running the code are firmer evidence than a match on the error text
         cause=cause)
@@ -169,6 +186,7 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
             # error there left the caller on the capture stream (torch 2.11 and 2.14 alike).
             _end_abandoned_capture(graph, ctx.capture_stream)
             torch.cuda.set_stream(stream)
+            reset_rng_after_failed_capture()
             rng_restore(rng)
             raise capture_failure(exc, fn, what) from exc
     torch.cuda.synchronize()

@@ -83,28 +83,18 @@ def _rng_generators() -> list[torch.Generator]:
     return [torch.cuda.default_generators[i] for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-def rng_snapshot() -> list[tuple[torch.Generator, Any]]:
-    """The state of every default CUDA generator (seed and offset), restorable with :func:`rng_restore`.
+def rng_snapshot() -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The seed and offset of every default CUDA generator, restorable with :func:`rng_restore`.
 
-    ``graphsafe_get_state``/``clone_state`` keep working while a generator is registered with a graph,
-    where ``get_state`` would not; installing a clone also clears the capture flag that a failed capture
-    leaves behind (CUDAGeneratorState::clone in ATen/cuda/CUDAGeneratorImpl.cpp)."""
-    out = []
-    for gen in _rng_generators():
-        if hasattr(gen, "clone_state"):
-            try:
-                out.append((gen, gen.clone_state()))
-            except RuntimeError:
-                pass
-    return out
+    ``get_state``/``set_state`` copy seed and offset in and out of the generator's own state object.
+    Installing another state object instead (``graphsafe_set_state``) would detach the generator from
+    the graphs that registered it: their replays would stop following ``torch.cuda.manual_seed``."""
+    return [(gen, gen.get_state()) for gen in _rng_generators()]
 
 
-def rng_restore(snapshot: list[tuple[torch.Generator, Any]]) -> None:
+def rng_restore(snapshot: list[tuple[torch.Generator, torch.Tensor]]) -> None:
     for gen, state in snapshot:
-        try:
-            gen.graphsafe_set_state(state.clone_state() if hasattr(state, "clone_state") else state)
-        except RuntimeError:
-            pass
+        gen.set_state(state)
 
 
 def _rng_offsets() -> list[int | None]:
