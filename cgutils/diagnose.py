@@ -267,6 +267,10 @@ class SyncRecorder:
         # syncs made meanwhile by other threads (a data loader, a metrics thread): not the function's,
         # but a device-wide one breaks any capture in progress, so a diagnosis must name them
         self.other_threads: list[tuple[str, SyncPoint]] = []
+        # joins of a side stream that never waited on the joining stream first: inside capture, the side
+        # stream's work is not part of the graph, and CUDA refuses the join (cudaErrorStreamCaptureIsolation)
+        self.unforked_joins: list[SyncPoint] = []
+        self._waited: set[tuple[int, int]] = set()
         self._thread = threading.get_ident()
         self._user_files = _user_file_set(user_files)
         self._tracker = _OpTracker()
@@ -311,6 +315,19 @@ class SyncRecorder:
             return self._orig_sync(device)
 
         torch.cuda.synchronize = synchronize
+        self._orig_wait = torch.cuda.Stream.wait_stream
+
+        def wait_stream(stream_self, other):
+            waiter, waited = stream_self.cuda_stream, other.cuda_stream
+            if waiter != waited and (waited, waiter) not in self._waited and threading.get_ident() == self._thread:
+                fr = _user_frame(traceback.extract_stack()[:-1], self._user_files)
+                if fr is not None:
+                    self.unforked_joins.append(SyncPoint("Stream.wait_stream", fr.filename, fr.lineno or 0,
+                                                         (fr.line or "").strip(), fr.name))
+            self._waited.add((waiter, waited))
+            return self._orig_wait(stream_self, other)
+
+        torch.cuda.Stream.wait_stream = wait_stream
         if torch.cuda.is_available():
             self._old_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
@@ -322,15 +339,18 @@ class SyncRecorder:
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(self._old_mode)
         torch.cuda.synchronize = self._orig_sync
+        torch.cuda.Stream.wait_stream = self._orig_wait
         self._warnings.__exit__(*exc)
 
     def to_frame(self):
         """The sync points as a ``pandas.DataFrame`` with columns ``SYNC_COLUMNS``; ``.attrs["other_threads"]``
-        lists ``(thread name, SyncPoint)`` for syncs that other threads made meanwhile."""
+        lists ``(thread name, SyncPoint)`` for syncs that other threads made meanwhile, and
+        ``.attrs["unforked_joins"]`` the ``wait_stream`` joins of side streams that were never forked."""
         import pandas as pd
 
         df = pd.DataFrame([dataclasses.asdict(p) for p in self.points], columns=SYNC_COLUMNS)
         df.attrs["other_threads"] = list(self.other_threads)
+        df.attrs["unforked_joins"] = list(self.unforked_joins)
         return df
 
 

@@ -233,7 +233,7 @@ REAL_USE: dict[str, Pitfall] = {p.key: p for p in [
     Pitfall(key="unforked_stream", title="a side stream joined back but never forked", kind="loud",
             bad=_unforked_stream, diagnose=cases.through_runner,
             fix="fork before using the side stream: side.wait_stream(torch.cuda.current_stream()), then join back",
-            good=_forked_stream, check_fix=cases.graphed_fix_matches_eager, expect={"exception": "CaptureError"}),
+            good=_forked_stream, check_fix=cases.graphed_fix_matches_eager, expect={"exception": "CaptureError", "cause": "unforked_stream"}),
     Pitfall(key="sampling", title="sampling on purpose (torch.multinomial)", kind="silent", bad=Sampler,
             diagnose=real.sampling_check,
             fix="nothing to fix: the default CUDA generator is registered with the graph, so each replay draws new "

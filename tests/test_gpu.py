@@ -497,7 +497,7 @@ def test_a_device_sync_in_another_thread_is_named_by_the_diagnosis():
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # let the other thread run during the capture, as a busy process would
-    halt, _ = _background(torch.cuda.synchronize)
+    halt, _ = _background(lambda: torch.cuda.synchronize())  # looked up per call, as code does
     try:
         with pytest.raises(cg.CaptureError) as info:
             cg.GraphRunner(_mlp(depth=64))(torch.randn(4, 1024, device="cuda"))

@@ -104,15 +104,24 @@ def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Capture
             f"{p.file}:{p.line}: {p.code}; {len(others)} syncs from other threads during an eager rerun). A "
             f"device-wide sync from any thread breaks a capture in progress, whatever the capture mode: pause "
             f"that thread while capturing, or have it wait on its own stream (stream.synchronize()).")
+    elif syncs is not None and not len(syncs) and syncs.attrs.get("unforked_joins"):
+        p = syncs.attrs["unforked_joins"][0]
+        cause, note = "unforked_stream", (
+            f"\nAn eager rerun found no sync, but a join of a side stream that never waited on the capture "
+            f"stream first, at {p.file}:{p.line}: {p.code}. Inside capture that side stream's work is not part "
+            f"of the graph, so CUDA refuses the join and invalidates the capture. Fork before using the side "
+            f"stream: side.wait_stream(torch.cuda.current_stream()), then launch on it, then join back.")
     elif syncs is not None and not len(syncs):
-        if cause == "sync":
+        if cause in ("sync", "invalidated"):
             # CUDA refused a call during capture, yet nothing in PyTorch synchronised: the call came from
             # code that PyTorch does not see (an extension or library calling the CUDA runtime itself).
             cause, note = "external_sync", (
-                "\nAn eager rerun found no sync made through PyTorch, so the refused call comes from outside "
-                "it: a C++/CUDA extension or library calling cudaStreamSynchronize, cudaDeviceSynchronize, a "
-                "blocking cudaMemcpy or cudaMalloc. Find it with `nsys profile -t cuda` around one eager call, "
-                "then move that call out of the graphed function or make it asynchronous.")
+                "\nAn eager rerun found no sync made through PyTorch in this thread (and no unforked side "
+                "stream), so the refused call most likely comes from outside PyTorch: a C++/CUDA extension or "
+                "library calling cudaStreamSynchronize, cudaDeviceSynchronize, a blocking cudaMemcpy or "
+                "cudaMalloc; or another thread synchronising the whole device through such a library. Find it "
+                "with `nsys profile -t cuda` around one eager call, then move that call out of the graphed "
+                "function or make it asynchronous.")
         else:
             note = "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
     return CaptureError(
