@@ -338,14 +338,12 @@ def _mlp(width=1024, depth=8):
 def test_threads_and_streams_each_get_their_own_result():
     """A runner shared by 8 worker threads, each on its own stream: results belonged to other threads'
     inputs (copy-in, replay and copy-out were not kept together, and streams were not ordered)."""
-    import sys
-    import threading
+    from simulation import run_in_threads
 
     model = _mlp()
     runner = cg.GraphRunner(model)
     runner(torch.randn(4, 1024, device="cuda"))
-    wrong, errors, old = [], [], sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
+    wrong, errors = [], []
 
     def worker(t):
         stream = torch.cuda.Stream()
@@ -362,14 +360,7 @@ def test_threads_and_streams_each_get_their_own_result():
         except Exception as exc:  # surfaced below: a thread's exception would otherwise vanish
             errors.append(exc)
 
-    try:
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_in_threads(worker)
     assert not errors, errors
     assert wrong == [] and runner.stats.replays == 401
 

@@ -2,11 +2,11 @@
 Python values changed in forward. GraphRunner must leave what the caller sees as K eager calls would
 (CPU; replays simulated by tests/simulation.py, which shares module buffers as a real graph does)."""
 
-import sys
 import warnings
 
 import pytest
 import torch
+from simulation import run_in_threads
 
 import cgutils as cg
 
@@ -106,12 +106,9 @@ def test_attributes_rebound_in_forward_are_named(simulated):
 def test_a_runner_shared_by_threads_gives_each_call_its_own_result(simulated):
     """Copy-in, replay and copy-out of one call were not kept together: another thread's copy-in could land
     between them, and the result belonged to the other thread's input."""
-    import threading
-
     runner = cg.GraphRunner(lambda x: x * 2, backend=simulated)
     runner(torch.zeros(4))
-    wrong, old = [], sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    wrong = []
 
     def worker(t):
         for i in range(50):
@@ -119,14 +116,7 @@ def test_a_runner_shared_by_threads_gives_each_call_its_own_result(simulated):
             if not torch.equal(runner(x), x * 2):
                 wrong.append((t, i))
 
-    try:
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_in_threads(worker)
     assert wrong == [] and runner.stats.replays == 8 * 50 + 1
 
 
