@@ -184,3 +184,47 @@ def test_cgutils_frames_are_not_the_users_code_by_default():
     with SyncRecorder() as rec:
         my_model()
     assert [p.function for p in rec.points] == ["my_model"]
+
+
+def _failure_with(monkeypatch, text, **attrs):
+    """capture_failure for an error ``text`` whose eager rerun found no sync in this thread, but ``attrs``."""
+    import pandas as pd
+
+    import cgutils.capture.graph as graph
+    from cgutils.diagnose import SYNC_COLUMNS
+
+    def no_syncs(fn, *a, **k):
+        df = pd.DataFrame(columns=SYNC_COLUMNS)
+        df.attrs.update({"other_threads": [], "unforked_joins": [], **attrs})
+        return df
+
+    monkeypatch.setattr(graph, "find_sync_points", no_syncs)
+    return graph.capture_failure(RuntimeError(text), lambda: None, "f"), None
+
+
+def test_a_refused_call_with_no_pytorch_sync_is_an_external_sync(monkeypatch):
+    """A sync made by an extension was reported with cause `sync` and, in the same message, "an eager rerun
+    found no sync, so the cause is not a sync"."""
+    err, _ = _failure_with(monkeypatch, "CUDA error: operation not permitted when stream is capturing")
+    assert err.cause == "external_sync"
+    assert "not a sync" not in str(err) and "outside PyTorch" in str(err)
+
+
+def test_a_sync_from_another_thread_is_named(monkeypatch):
+    """Another thread's device sync broke the capture, and its syncs were listed as the user's own."""
+    from cgutils.diagnose import SyncPoint
+
+    point = SyncPoint("torch.cuda.synchronize", "loader.py", 12, "torch.cuda.synchronize()", "prefetch")
+    err, _ = _failure_with(monkeypatch, "operation failed due to a previous error during capture",
+                           other_threads=[("prefetch-0", point)])
+    assert err.cause == "other_thread" and "'prefetch-0'" in str(err) and "loader.py:12" in str(err)
+
+
+def test_an_unforked_side_stream_is_named_at_its_join(monkeypatch):
+    """A side stream joined back without a fork got the generic "invalidated" text."""
+    from cgutils.diagnose import SyncPoint
+
+    join = SyncPoint("Stream.wait_stream", "model.py", 40, "torch.cuda.current_stream().wait_stream(side)", "forward")
+    err, _ = _failure_with(monkeypatch, "operation failed due to a previous error during capture",
+                           unforked_joins=[join])
+    assert err.cause == "unforked_stream" and "model.py:40" in str(err) and "side.wait_stream" in str(err)
