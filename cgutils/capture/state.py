@@ -144,7 +144,7 @@ class StateWatch:
         self._tensors: list[tuple[str, torch.Tensor, int | None]] = []
         candidates = list(inputs) + _closure_tensors(fn) + [
             (f"{name}.{k}", t) for name, m in modules
-            for k, t in [*m._parameters.items(), *m._buffers.items()] if t is not None]
+            for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
         for name, t in candidates:
             if id(t) not in seen:
                 seen.add(id(t))
