@@ -6,6 +6,9 @@ message that names the argument, what it got, and what it takes.
 
 from __future__ import annotations
 
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,3 +75,16 @@ def require_cuda(what: str, fix: str = "") -> None:
         tail = f"; {fix}" if fix else ""
         raise NoCudaError(f"{what} needs a CUDA device and none is visible "
                           f"(torch.cuda.is_available() is False){tail}")
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointing at the first frame outside cgutils: the user's line that called in,
+    however deep inside cgutils the warning is raised (a fixed ``stacklevel`` breaks when one more
+    cgutils frame sits in between, e.g. ``capture_buckets`` calling ``__call__``)."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the function that called warn_caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -1,5 +1,7 @@
 """GPU tests (``pytest -m gpu``, run on the lent H200): GraphRunner against eager on real workloads."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -548,3 +550,29 @@ def test_sampling_in_an_eval_model_validates_and_draws_fresh_samples():
     torch.cuda.manual_seed(7)
     with torch.no_grad():
         assert torch.equal(replayed, model(x))  # a replay draws as eager does from the same state
+
+
+class _KeepsAndCounts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros((), device="cuda"))
+
+    def forward(self, x):
+        self.n.add_(1)
+        self.hidden = x + self.n
+        return self.hidden * 2
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_stateful_forward_that_stores_a_tensor_on_self(validate):
+    """With validation on, the attribute was bound to the validation call's eager tensor and never followed
+    a replay (found by a new-user walkthrough on the CPU simulation)."""
+    model, twin = _KeepsAndCounts(), _KeepsAndCounts()
+    runner = cg.GraphRunner(model, validate=validate)
+    for v in (0.0, 10.0, 20.0):
+        x = torch.full((2,), v, device="cuda")
+        with pytest.warns(UserWarning) if v == 0.0 else contextlib.nullcontext():
+            got = runner(x)
+        torch.testing.assert_close(got, twin(x))
+        torch.testing.assert_close(model.hidden, twin.hidden)
+    assert int(model.n) == int(twin.n) == 3

@@ -129,3 +129,127 @@ def test_many_shapes_warn_with_numbers(simulated):
             runner(torch.ones(n))
     hits = [str(w.message) for w in record if "graphs captured" in str(w.message)]
     assert len(hits) == 1 and "9 graphs captured" in hits[0] and "MiB" in hits[0] and "buckets" in hits[0]
+
+
+_GLOBAL_STEP = Counter()
+
+
+def _quiet(runner, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return runner(*args)
+
+
+def test_state_reached_through_a_global_a_partial_or_an_object_is_watched(simulated):
+    """Only the module itself, a bound method's module and closure cells were watched: a module reached
+    through a global (the README's "model via a lambda" at module scope), a functools.partial or a plain
+    object's method advanced its position once per warm-up and validation call."""
+    import functools
+
+    class Holder:
+        def __init__(self):
+            self.model = Counter()
+
+        def step(self, x):
+            return self.model(x)
+
+    def step(x, buf):
+        buf.add_(1)
+        return x + buf
+
+    holder, buf = Holder(), torch.zeros(())
+    cases = [(lambda x: _GLOBAL_STEP(x), lambda: _GLOBAL_STEP.pos), (functools.partial(step, buf=buf), lambda: buf),
+             (holder.step, lambda: holder.model.pos)]
+    for fn, pos in cases:
+        start = int(pos())
+        runner = cg.GraphRunner(fn, backend=simulated)
+        for _ in range(3):
+            _quiet(runner, torch.zeros(1))
+        assert int(pos()) - start == 3
+
+
+def test_an_input_updated_in_place_under_inference_mode_is_seen(simulated):
+    """Inference tensors keep no version counter, so an input normalised in place under
+    torch.inference_mode() went unnoticed: wrong output, caller's tensor unchanged."""
+    model = Normalise()
+    runner = cg.GraphRunner(model, backend=simulated)
+    with torch.inference_mode():
+        for _ in range(2):
+            x = torch.full((2,), 4.0)
+            mine, theirs = x.clone(), x.clone()
+            got = _quiet(runner, mine)
+            torch.testing.assert_close(got, model(theirs))
+            torch.testing.assert_close(mine, theirs)
+
+
+def test_a_buffer_rebound_out_of_place_is_refused_by_name(simulated):
+    """`self.pos = self.pos + 1` replaces the buffer: a replay reads and writes the captured addresses,
+    so the position would never move. It got no warning, then a baked_value error about dropout."""
+    class Rebinds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("pos", torch.zeros(()))
+
+        def forward(self, x):
+            self.pos = self.pos + 1
+            return x + self.pos
+
+    with pytest.raises(cg.InputError, match=r"rebinds Rebinds\.pos to a new tensor.*add_"):
+        _quiet(cg.GraphRunner(Rebinds(), backend=simulated), torch.zeros(1))
+
+
+def test_an_input_updated_in_place_that_shares_memory_with_another_is_refused(simulated):
+    """f(a, b) = a.add_(1) + b called as runner(x, x): each argument got its own static buffer, so the
+    update did not reach b and the result was 1 where eager gives 2, silently."""
+    def f(a, b):
+        a.add_(1)
+        return a + b
+
+    runner = cg.GraphRunner(f, backend=simulated)
+    x = torch.zeros(1)
+    with pytest.raises(cg.InputError, match="updates a in place, and b shares its memory"):
+        _quiet(runner, x, x)
+    _quiet(runner, torch.zeros(1), torch.zeros(1))  # separate tensors: fine
+    y = torch.zeros(1)
+    with pytest.raises(cg.InputError, match="shares its memory"):
+        _quiet(runner, y, y[:1])
+
+
+def test_a_failed_validation_leaves_the_state_of_one_call(simulated):
+    """A validation failure left the position advanced by every warm-up and the validation call."""
+    class Drifts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("pos", torch.zeros(()))
+            self.step = 0
+
+        def forward(self, x):
+            self.step += 1  # a Python value that a replay cannot follow
+            self.pos.add_(self.step)
+            return x + self.pos
+
+    model = Drifts()
+    with pytest.raises(cg.CaptureError):
+        _quiet(cg.GraphRunner(model, backend=simulated), torch.zeros(1))
+    assert int(model.pos) == 1 and model.step == 1  # as one eager call left them
+
+
+def test_validate_replays_checks_a_stateful_function_from_the_same_state(simulated):
+    """validate_replays was skipped for functions with state, without a word."""
+    graphed, eager = Counter(), Counter()
+    runner = cg.GraphRunner(graphed, validate_replays=10, backend=simulated)
+    for k in range(5):
+        x = torch.full((3,), float(k))
+        torch.testing.assert_close(_quiet(runner, x), eager(x))
+    assert int(graphed.pos) == 5 and torch.equal(graphed.cache, eager.cache)
+    simulated.graphs[0].replay = lambda: None  # a replay that stops following the state: caught
+    with pytest.raises(cg.CaptureError, match="differs from eager"):
+        _quiet(runner, torch.ones(3))
+
+
+def test_warnings_point_at_the_callers_line(simulated):
+    """Warnings used fixed stack levels and pointed inside cgutils when capture_buckets called in."""
+    runner = cg.GraphRunner(Counter(), backend=simulated)
+    with pytest.warns(UserWarning, match="in place") as record:
+        runner(torch.zeros(3))
+    assert record[0].filename == __file__

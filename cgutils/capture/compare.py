@@ -169,9 +169,10 @@ def check_first_replay(replayed: Any, expected: Any, rtol: float) -> float:
         raise CaptureError(
             f"replay of the captured graph differs from eager: max relative error {rel:.3g} > "
             f"rtol {rtol:.3g}. Likely cause: data-dependent work that the graph froze at capture "
-            f"(randomness such as dropout in training mode, a value read on the CPU during "
-            f"capture). Call model.eval(), keep control flow on the GPU (torch.where), or raise "
-            f"rtol if the difference is numerical noise.", max_rel_error=rel, cause="baked_value")
+            f"(a value read on the CPU during capture, a Python branch), or state the function updates in "
+            f"place where GraphRunner cannot see it (a tensor inside an object it does not inspect, so warm-up "
+            f"calls advanced it). Keep control flow on the GPU (torch.where), keep state in module buffers or "
+            f"arguments, or raise rtol if the difference is numerical noise.", max_rel_error=rel, cause="baked_value")
     return rel
 
 

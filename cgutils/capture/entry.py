@@ -4,7 +4,6 @@ as one eager call would, capture, and the first replay checked against eager."""
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CaptureError
+from ..checks import warn_caller
+from ..errors import CaptureError, InputError
 from .buckets import Buckets, Cuts, copy_padded
 from .compare import check_first_replay, max_rel_error, rtol_for
 from .graph import CudaBackend
@@ -114,6 +114,17 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
         if i == 0:
             seen["changes"] = changes = watch.changes()
             seen["attrs"] = {(id(m), a): getattr(m, a) for _, m, a in changes.rebound}
+            if changes.rebound_buffers:
+                raise InputError(
+                    f"{what}: forward rebinds {', '.join(changes.rebound_buffers)} to a new tensor (e.g. self.pos = "
+                    f"self.pos + 1). A graph reads and writes the addresses it captured, so replays would never see "
+                    f"the new value. Update it in place instead (self.pos.add_(1), self.pos.copy_(...)).")
+            if buckets and changes.tensors:
+                raise InputError(
+                    f"{what}: the function updates {', '.join(n for n, _ in changes.tensors)} in place, and "
+                    f"buckets pad its inputs: padded positions would be written into that state, which an eager "
+                    f"call never writes. Drop buckets= for this function (one graph per shape), or keep the "
+                    f"in-place update outside the graphed function. (Its first warm-up call has run once.)")
             if changes.stateful:
                 seen["one_call"], seen["first"] = Snapshot(changes.tensors, changes.random), tree_map(torch.clone, out)
         elif "one_call" in seen:
@@ -127,13 +138,25 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
                                             on_warmup=on_warmup, what=what)
         pool_bytes = max(0, backend.pool_bytes(pool) - pool_before)
         changes, one_call = seen["changes"], seen.get("one_call")
+        # the tensors forward stored on self during capture: each replay rewrites them in place (read them
+        # before validation, whose eager call stores tensors of its own)
+        captured = {(id(m), a): getattr(m, a) for n, m, a in changes.rebound if n not in changes.values}
         if one_call is not None:
             one_call.restore()  # capture runs no kernels, but a backend that executes at capture would move it
+            check_aliasing(call.named, [i for i, b in enumerate(static_inputs)
+                                         if id(b) in {id(t) for _, t in changes.tensors}], what)
         rel = None
         if validate:
             rtol = rtol_for(static_out, rtol, {t.dtype for _, t in named})
             rel = _validate(graph, static_out, run, s_args, s_kwargs, one_call, seen.get("expected"), rtol, backend)
-    except Exception:
+    except BaseException:
+        # Leave what the caller sees as one eager call left it: the first warm-up's state and attributes
+        # (the state before the call is not kept); generators as before the call.
+        if "one_call" in seen:
+            seen["one_call"].restore()
+        for (_, module, name), value in zip(seen["changes"].rebound if "changes" in seen else [],
+                                            seen.get("attrs", {}).values(), strict=False):
+            setattr(module, name, value)
         rng_restore(rng_before)
         raise
     entry = GraphEntry(graph, static_inputs, static_out, GraphInfo(
@@ -142,17 +165,32 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
         changes=changes)
     mutated = {id(t) for _, t in changes.tensors}
     entry.mutated_inputs = [i for i, b in enumerate(static_inputs) if id(b) in mutated]
-    for n, module, name in changes.rebound:  # non-tensor values: back to what the one call left
-        if n in changes.values:
-            setattr(module, name, seen["attrs"][(id(module), name)])
-    entry.attributes = [(m, a, getattr(m, a)) for n, m, a in changes.rebound if n not in changes.values]
+    entry.attributes = [(m, a, captured[(id(m), a)]) for n, m, a in changes.rebound if n not in changes.values]
     if one_call is not None:
         one_call.restore()
         entry.first_output = seen["first"]
-        for module, name, _ in entry.attributes:
-            setattr(module, name, seen["attrs"][(id(module), name)])
+    for _, module, name in changes.rebound:  # as the one call left them (the first call's own values)
+        setattr(module, name, seen["attrs"][(id(module), name)])
     _warn_about(changes, static_out, what)
     return entry
+
+
+def check_aliasing(named: list[tuple[str, torch.Tensor]], mutated: list[int], what: str) -> None:
+    """Raise if an argument that the function updates in place shares memory with another argument.
+
+    Raises:
+        InputError: naming both arguments; each argument gets a static buffer of its own, so the update
+            would not reach the other one as it does eagerly.
+    """
+    for i in mutated:
+        name, t = named[i]
+        ptr = t.untyped_storage().data_ptr()
+        for j, (other, u) in enumerate(named):
+            if j != i and u.untyped_storage().data_ptr() == ptr:
+                raise InputError(
+                    f"{what}: the function updates {name} in place, and {other} shares its memory (the same "
+                    f"tensor or a view of it). A graph gives each argument a buffer of its own, so the update "
+                    f"would not reach {other} as it does eagerly. Pass separate tensors (e.g. {other}.clone()).")
 
 
 def _validate(graph: Any, static_out: Any, run: Callable[..., Any], s_args: tuple, s_kwargs: dict,
@@ -181,22 +219,22 @@ def _validate(graph: Any, static_out: Any, run: Callable[..., Any], s_args: tupl
 def _warn_about(changes: Changes, static_out: Any, what: str) -> None:
     updated = [n for n, _ in changes.tensors]
     if updated:
-        warnings.warn(f"{what}: the function updates {', '.join(updated)} in place. GraphRunner keeps this as "
+        warn_caller(f"{what}: the function updates {', '.join(updated)} in place. GraphRunner keeps this as "
                       f"an eager call would: warm-up and validation are undone, inputs updated in place are "
-                      f"copied back after each replay (a copy per call).", stacklevel=7)
+                      f"copied back after each replay (a copy per call).")
     if changes.values:
-        warnings.warn(f"{what}: forward changes {', '.join(changes.values)}, which holds no tensor. A replay runs "
+        warn_caller(f"{what}: forward changes {', '.join(changes.values)}, which holds no tensor. A replay runs "
                       f"no Python, so it keeps the value it has after the first call; keep such state in a CUDA "
-                      f"tensor (register_buffer) if replays must change it.", stacklevel=7)
+                      f"tensor (register_buffer) if replays must change it.")
     tensors = [n for n, _, _ in changes.rebound if n not in changes.values]
     if tensors:
-        warnings.warn(f"{what}: forward rebinds {', '.join(tensors)} to new tensors. After each replay GraphRunner "
+        warn_caller(f"{what}: forward rebinds {', '.join(tensors)} to new tensors. After each replay GraphRunner "
                       f"sets them to the replayed tensors (cloned with clone_outputs), as an eager call would; "
-                      f"with buckets they keep the padded shape.", stacklevel=7)
+                      f"with buckets they keep the padded shape.")
     opaque = opaque_types(static_out)
     if opaque:
-        warnings.warn(
+        warn_caller(
             f"{what}: the outputs hold {', '.join(opaque)}, which GraphRunner cannot look inside: tensors in "
             f"them are static buffers that each replay overwrites, never cloned, cut back or validated (a "
             f"transformers cache, say: pass use_cache=False). Return plain tensors, tuples, lists, dicts or "
-            f"dataclasses instead.", stacklevel=7)
+            f"dataclasses instead.")

@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checks import check_int, is_number, require_cuda
+from ..checks import check_int, is_number, require_cuda, warn_caller
 from ..errors import CaptureError, InputError
 from .buckets import Buckets, apply_cuts, learn_cuts, resize
 from .compare import check_later_replay, check_padding, rtol_for
-from .entry import GraphEntry, capture_entry
+from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
 from .nest import same_value, tree_map
 from .signature import ArgSpec, Binder, Call, check_inputs
@@ -178,18 +177,26 @@ class GraphRunner:
         if entry is None:
             entry = self._graphs[key] = self._capture(call, targets, key[-1])
         else:
+            if entry.mutated_inputs:
+                check_aliasing(named, entry.mutated_inputs, repr(self))
             entry.load(named, self._buckets)
         if entry.first_output is not None:  # a function with state: its first call was the first warm-up
             out, entry.first_output = self._output(entry, call, targets, entry.first_output), None
-        else:
-            entry.graph.replay()
-            entry.info.replays += 1
-            self._replays += 1
-            out = self._output(entry, call, targets, entry.static_output)
+            entry.after_replay(named, self.clone_outputs)
+            return out
+        # validate_replays: the first K replays (a function with state: counted from its second call)
+        stateful = entry.changes.stateful
+        checking = entry.info.replays < self.validate_replays if stateful else 0 < entry.info.replays <= self.validate_replays
+        before = entry.undo(named) if checking and stateful else None
+        entry.graph.replay()
+        entry.info.replays += 1
+        self._replays += 1
+        out = self._output(entry, call, targets, entry.static_output)
         entry.after_replay(named, self.clone_outputs)
-        if 1 < entry.info.replays <= self.validate_replays + 1 and not entry.changes.stateful:
+        if checking:
             try:
-                check_later_replay(out, self._eager(call), rtol_for(out, self.rtol), f"replay {self._replays} of {self!r}")
+                check_later_replay(out, _eager_from(lambda: self._eager(call), entry, named, before), rtol_for(out, self.rtol),
+                                   f"replay {self._replays} of {self!r}")
             except CaptureError:
                 del self._graphs[key]  # else a retry would replay the same stale graph unchecked
                 raise
@@ -232,9 +239,9 @@ class GraphRunner:
         self._fallbacks += 1
         if self._fallbacks == 1:
             sizes = {n: tuple(t.shape) for n, t in call.named}
-            warnings.warn(f"{self!r}: input shapes {sizes} exceed the largest bucket {self.buckets}; running "
+            warn_caller(f"{self!r}: input shapes {sizes} exceed the largest bucket {self.buckets}; running "
                           f"eagerly (no graph). Add a larger bucket if this size is common; "
-                          f"stats.fallbacks counts these calls.", stacklevel=5)
+                          f"stats.fallbacks counts these calls.")
         return self._eager(call)
 
     def capture_buckets(self, *args: Any, **kwargs: Any) -> RunnerStats:
@@ -280,19 +287,28 @@ class GraphRunner:
         entry = capture_entry(self._call, self.fn, call, targets, buckets=self._buckets, backend=self._backend,
                               pool=self._pool, warmup=self.warmup, validate=self.validate, rtol=self.rtol,
                               what=repr(self), signature=_signature(call.named, targets, autocast))
-        if self._buckets and entry.changes.tensors:
-            raise InputError(
-                f"{self!r}: the function updates {', '.join(n for n, _ in entry.changes.tensors)} in place, and "
-                f"buckets pad its inputs: padded positions would be written into that state, which an eager call "
-                f"never writes. Drop buckets= for this function (one graph per shape), or keep the in-place "
-                f"update outside the graphed function. (Its first warm-up call has run once.)")
         if len(self._graphs) == GRAPH_COUNT_WARNING:  # this capture makes one more: warn once
-            mib = (self.stats.memory_bytes + entry.info.memory_bytes) / 2**20
-            warnings.warn(f"{self!r}: {len(self._graphs) + 1} graphs captured, one per input shape, holding "
-                          f"{mib:.1f} MiB (pool growth and static inputs) so far; each new shape costs a capture and "
-                          f"more memory. Pad to a few sizes with GraphRunner(..., buckets={{dim: sizes}}) (notebook 03).",
-                          stacklevel=5)
+            _warn_graph_count(self, (self.stats.memory_bytes + entry.info.memory_bytes) / 2**20)
         return entry
+
+
+def _eager_from(eager: Callable[[], Any], entry: GraphEntry, named: list, before: Any) -> Any:
+    """An eager call to check a replay against: for a function with state, from the state the replay
+    started from (``before``, an undo snapshot), with the replay's state put back afterwards."""
+    if before is None:
+        return eager()
+    after = entry.undo(named)
+    before.restore()
+    try:
+        return eager()
+    finally:
+        after.restore()
+
+
+def _warn_graph_count(runner: GraphRunner, mib: float) -> None:
+    warn_caller(f"{runner!r}: {GRAPH_COUNT_WARNING + 1} graphs captured, one per input shape, holding {mib:.1f} MiB "
+                f"(pool growth and static inputs) so far; each new shape costs a capture and more memory. Pad to a "
+                f"few sizes with GraphRunner(..., buckets={{dim: sizes}}) (notebook 03).")
 
 
 def _graph_key(named: list, targets: list) -> tuple:
@@ -332,6 +348,6 @@ def _compiled(fn: Callable[..., Any], compile: bool | dict) -> Callable[..., Any
 def _warn_if_training(fn: Callable[..., Any]) -> None:
     if isinstance(fn, nn.Module) and fn.training and any(
             isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)) for m in fn.modules()):
-        warnings.warn("GraphRunner got a module in training mode with dropout or batch norm: their "
-                      "random masks and batch statistics would be frozen into the graph and validation "
-                      "would fail. Call model.eval() first.", stacklevel=3)
+        warn_caller("GraphRunner got a module in training mode with dropout or batch norm: replays then draw a "
+                    "new dropout mask each time and batch norm updates its running statistics in place, as in "
+                    "training; for inference call model.eval() first.")

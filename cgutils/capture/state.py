@@ -14,6 +14,7 @@ identity, and the default CUDA generators' offsets.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,22 +32,48 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def owned_modules(fn: Callable[..., Any]) -> list[tuple[str, nn.Module]]:
-    """The modules whose state a call of ``fn`` can change: ``fn`` itself, the module of a bound method,
-    modules in a closure or ``functools.partial``; each with a display name (``model``, ``model.encoder``)."""
-    roots: list[tuple[str, nn.Module]] = []
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    if isinstance(target, nn.Module):
-        roots.append((type(target).__name__, target))
-    elif isinstance(getattr(target, "__self__", None), nn.Module):
-        roots.append((type(target.__self__).__name__, target.__self__))
-    for i, cell in enumerate(getattr(target, "__closure__", None) or ()):
+def _reachable(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """Objects a call of ``fn`` can reach without arguments, with a display name: ``fn`` itself, a bound
+    method's object, the arguments of a ``functools.partial``, default values, closure cells, and the
+    globals its code names."""
+    out: list[tuple[str, Any]] = []
+    if isinstance(fn, functools.partial):
+        out += [(f"partial.args[{i}]", a) for i, a in enumerate(fn.args)]
+        out += list(fn.keywords.items())
+        fn = fn.func
+    if isinstance(fn, nn.Module):
+        return [*out, (type(fn).__name__, fn)]
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+        out.append((type(owner).__name__, owner))
+    code = getattr(fn, "__code__", None)
+    out += [(f"default[{i}]", v) for i, v in enumerate(getattr(fn, "__defaults__", None) or ())]
+    out += list((getattr(fn, "__kwdefaults__", None) or {}).items())
+    for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or (), strict=False):
         try:
-            value = cell.cell_contents
+            out.append((name, cell.cell_contents))
         except ValueError:  # an empty cell
-            continue
+            pass
+    globs = getattr(fn, "__globals__", {})
+    out += [(name, globs[name]) for name in getattr(code, "co_names", ()) if name in globs]
+    return out
+
+
+def _plain_object(value: Any) -> bool:
+    return (hasattr(value, "__dict__") and not isinstance(value, (type, nn.Module, types.ModuleType))
+            and not callable(value))
+
+
+def owned_modules(fn: Callable[..., Any]) -> list[tuple[str, nn.Module]]:
+    """The modules whose state a call of ``fn`` can change, each with a display name (``model``,
+    ``model.encoder``): ``fn`` itself and the modules it reaches (:func:`_reachable`), also as attributes of a
+    plain object (a bound method's ``self``, say)."""
+    roots = []
+    for name, value in _reachable(fn):
         if isinstance(value, nn.Module):
-            roots.append((target.__code__.co_freevars[i], value))
+            roots.append((name, value))
+        elif _plain_object(value):
+            roots += [(f"{name}.{k}", v) for k, v in vars(value).items() if isinstance(v, nn.Module)]
     seen: set[int] = set()
     out = []
     for root_name, root in roots:
@@ -57,18 +84,22 @@ def owned_modules(fn: Callable[..., Any]) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _closure_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    cells = getattr(target, "__closure__", None) or ()
-    names = getattr(getattr(target, "__code__", None), "co_freevars", ())
+def _loose_tensors(fn: Callable[..., Any]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors ``fn`` reaches outside modules: directly, or in a list, tuple, dict or plain object it reaches."""
     out = []
-    for name, cell in zip(names, cells, strict=False):
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
+    for name, value in _reachable(fn):
         if isinstance(value, torch.Tensor):
             out.append((name, value))
+            continue
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, (list, tuple)):
+            items = enumerate(value)
+        elif _plain_object(value):
+            items = vars(value).items()
+        else:
+            continue
+        out += [(f"{name}[{k!r}]", v) for k, v in items if isinstance(v, torch.Tensor)]
     return out
 
 
@@ -117,12 +148,14 @@ class Changes:
         rebound: display names of module attributes that forward assigned (``model.hidden``).
         values: of those, the ones that hold no tensor (a Python counter, say): a replay runs no Python.
         random: whether the call drew from a default CUDA generator.
+        rebound_buffers: registered buffers that forward replaced by new tensors (``self.pos = self.pos + 1``).
     """
 
     tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     rebound: list[tuple[str, nn.Module, str]] = field(default_factory=list)
     values: list[str] = field(default_factory=list)
     random: bool = False
+    rebound_buffers: list[str] = field(default_factory=list)
 
     @property
     def stateful(self) -> bool:
@@ -142,19 +175,30 @@ class StateWatch:
         modules = owned_modules(fn)
         seen: set[int] = set()
         self._tensors: list[tuple[str, torch.Tensor, int | None]] = []
-        candidates = list(inputs) + _closure_tensors(fn) + [
+        self._copies: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        params = {id(p) for _, m in modules for p in m.parameters(recurse=False)}
+        candidates = list(inputs) + _loose_tensors(fn) + [
             (f"{name}.{k}", t) for name, m in modules
             for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
         for name, t in candidates:
-            if id(t) not in seen:
-                seen.add(id(t))
-                self._tensors.append((name, t, _version(t)))
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            version = _version(t)
+            if version is not None:
+                self._tensors.append((name, t, version))
+            elif id(t) not in params:
+                # an inference tensor (made under torch.inference_mode) keeps no version counter: compare
+                # values instead (inputs and buffers are small next to the weights, which are not copied)
+                self._copies.append((name, t, t.clone()))
         self._modules = modules
+        self._buffers = _buffer_ids(modules)
         self._attrs = _attributes(modules)
         self._offsets = _rng_offsets()
 
     def changes(self) -> Changes:
-        tensors = [(n, t) for n, t, v in self._tensors if v is not None and _version(t) != v]
+        tensors = [(n, t) for n, t, v in self._tensors if _version(t) != v]
+        tensors += [(n, t) for n, t, copy in self._copies if not torch.equal(t, copy)]
         now = _attributes(self._modules)
         rebound, values = [], []
         for key, (name, module, value) in now.items():
@@ -163,8 +207,14 @@ class StateWatch:
                 rebound.append((name, module, key[1]))
                 if not any(isinstance(leaf, torch.Tensor) for _, leaf in tree_leaves(value)):
                     values.append(name)
+        buffers = _buffer_ids(self._modules)
+        rebound_buffers = [name for key, (name, ident) in self._buffers.items() if buffers.get(key, (0, ident))[1] != ident]
         random = any(a is not None and a != b for a, b in zip(self._offsets, _rng_offsets(), strict=False))
-        return Changes(tensors, rebound, values, random)
+        return Changes(tensors, rebound, values, random, rebound_buffers)
+
+
+def _buffer_ids(modules: list[tuple[str, nn.Module]]) -> dict[tuple[int, str], tuple[str, int]]:
+    return {(id(m), k): (f"{name}.{k}", id(t)) for name, m in modules for k, t in m.named_buffers(recurse=False)}
 
 
 class Snapshot:
