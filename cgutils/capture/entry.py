@@ -63,13 +63,14 @@ class GraphEntry:
         return Snapshot(state + [named[i] for i in self.mutated_inputs], self.changes.random)
 
     @torch.no_grad()
-    def after_replay(self, named: list[tuple[str, torch.Tensor]], clone: bool) -> None:
-        """Make the caller's view match an eager call: inputs updated in place get the replay's values,
-        rebound attributes the replayed tensors."""
+    def after_replay(self, named: list[tuple[str, torch.Tensor]], clone: bool, replayed: bool = True) -> None:
+        """Make the caller's view match an eager call: inputs updated in place get the static buffers'
+        values; after a replay (``replayed``), rebound attributes get the replayed tensors. (The first call
+        of a function with state ran eagerly: its attributes are already that call's.)"""
         for i in self.mutated_inputs:
             t, buf = named[i][1], self.static_inputs[i]
             t.copy_(buf[tuple(slice(0, n) for n in t.shape)])
-        for module, name, value in self.attributes:
+        for module, name, value in self.attributes if replayed else ():
             setattr(module, name, tree_map(torch.clone, value) if clone else value)
 
 

@@ -182,7 +182,7 @@ class GraphRunner:
             entry.load(named, self._buckets)
         if entry.first_output is not None:  # a function with state: its first call was the first warm-up
             out, entry.first_output = self._output(entry, call, targets, entry.first_output), None
-            entry.after_replay(named, self.clone_outputs)
+            entry.after_replay(named, self.clone_outputs, replayed=False)
             return out
         # validate_replays: the first K replays (a function with state: counted from its second call)
         stateful = entry.changes.stateful
