@@ -367,20 +367,11 @@ def test_threads_and_streams_each_get_their_own_result():
     assert wrong == [] and runner.stats.replays == 401
 
 
-class _Normalise(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("mean", torch.tensor(0.5))
-        self.register_buffer("std", torch.tensor(2.0))
-
-    def forward(self, img):
-        img.sub_(self.mean).div_(self.std)
-        return torch.nn.functional.relu(img) * 3
-
-
 def test_an_input_normalised_in_place_equals_eager_including_the_callers_tensor():
     """The handed example: a CaptureError blaming "randomness such as dropout or a CPU value"."""
-    model = _Normalise().cuda()
+    from test_state import Normalise
+
+    model = Normalise().cuda()
     runner = cg.GraphRunner(model)
     for i in range(3):
         x = torch.randn(2, 3, 8, 8, device="cuda")
