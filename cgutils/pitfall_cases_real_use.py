@@ -41,6 +41,21 @@ LENGTHS = tuple(range(16, 16 * 13, 16))  # many_shapes_check: 12 sequence length
 # --- threads --------------------------------------------------------------------------------------------
 
 
+
+def run_in_threads(worker: Callable[[int], Any], n: int = 8) -> None:
+    """Run ``worker(t)`` for t in 0..n-1 on n threads at once and wait for all of them, handing the GIL
+    over as often as the interpreter allows (as a busy server does), so that calls interleave."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+
 def _hammer(graphed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, int]:
     """Call ``graphed`` from THREADS threads, CALLS times each, each thread on its own stream.
 
@@ -66,16 +81,7 @@ def _hammer(graphed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, int]:
             counts["wrong"] += wrong
             counts["errors"] += errors
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # hand the GIL over often, as a busy server would
-    try:
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_in_threads(worker, THREADS)
     torch.cuda.synchronize()
     return counts["wrong"], counts["errors"]
 

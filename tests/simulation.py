@@ -64,20 +64,3 @@ class SimulatedBackend:
         self.graphs.append(SimulatedGraph(fn, static_out))
         return self.graphs[-1], static_out
 
-
-def run_in_threads(worker, n: int = 8) -> None:
-    """Run ``worker(t)`` for t in 0..n-1 on n threads at once, switching threads as often as the interpreter
-    allows (as a busy server does), and wait for all of them."""
-    import sys
-    import threading
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(old)

@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 import torch
-from simulation import run_in_threads
 
 import cgutils as cg
+from cgutils.pitfall_cases_real_use import run_in_threads
 
 
 class Normalise(torch.nn.Module):
