@@ -23,9 +23,12 @@ class SimulatedGraph:
     def replay(self):
         with torch.no_grad():
             fresh = self.fn()
-        for (_, dst), (_, src) in zip(tree_leaves(self.static_out), tree_leaves(fresh), strict=True):
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(src)
+        # a real replay writes device memory whatever autograd flags the tensors carry; inference tensors
+        # (captured under torch.inference_mode) only take in-place writes inside that mode
+        with torch.inference_mode():
+            for (_, dst), (_, src) in zip(tree_leaves(self.static_out), tree_leaves(fresh), strict=True):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
 
 
 class SimulatedBackend:

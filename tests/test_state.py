@@ -253,3 +253,12 @@ def test_warnings_point_at_the_callers_line(simulated):
     with pytest.warns(UserWarning, match="in place") as record:
         runner(torch.zeros(3))
     assert record[0].filename == __file__
+
+
+def test_a_runner_first_called_under_inference_mode_works_outside_it(simulated):
+    """The static input buffers were made under torch.inference_mode() on the first call, so a later call
+    outside it failed to copy into them ("Inplace update to inference tensor outside InferenceMode")."""
+    runner = cg.GraphRunner(lambda x: x * 2, backend=simulated)
+    with torch.inference_mode():
+        runner(torch.ones(3))
+    torch.testing.assert_close(runner(torch.full((3,), 2.0)), torch.full((3,), 4.0))

@@ -104,7 +104,8 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
     """
     t_start = time.perf_counter()
     named = call.named
-    static_inputs = [torch.empty(tg, dtype=t.dtype, device=t.device) for (_, t), tg in zip(named, targets, strict=True)]
+    with torch.inference_mode(False):  # normal tensors: later calls outside inference_mode copy into them
+        static_inputs = [torch.empty(tg, dtype=t.dtype, device=t.device) for (_, t), tg in zip(named, targets, strict=True)]
     load(static_inputs, named, buckets)
     s_args, s_kwargs = call.substitute(static_inputs)
     watch = StateWatch(fn, [(n, b) for (n, _), b in zip(named, static_inputs, strict=True)])
