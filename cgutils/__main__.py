@@ -5,7 +5,8 @@
   Measured on a CUDA GPU; without one, the recorded tables and their provenance (exit 0).
 * ``trace FILE``: launch statistics and a launch-bound verdict for a torch.profiler trace.
 * ``record``: on a CUDA GPU, execute every notebook live and record results into ``results/<gpu>/``;
-  ``record --check`` reports stale or missing recordings (exit 1 if any).
+  ``record --check`` reports recordings that are stale (cell changed), ran library code that changed
+  since, or are missing (exit 1 if any).
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def cmd_record(args: argparse.Namespace) -> int:
         for s in statuses:
             print(f"{s.status:8s} {s.notebook} / {s.key}" + (f": {s.detail}" if s.detail and args.verbose else ""))
         bad = [s for s in statuses if s.status != "ok"]
-        print(f"{len(statuses) - len(bad)} of {len(statuses)} recorded cells are current.")
+        counts = ", ".join(f"{sum(s.status == k for s in bad)} {k}" for k in ("stale", "library", "missing")
+                           if any(s.status == k for s in bad))
+        print(f"{len(statuses) - len(bad)} of {len(statuses)} recorded cells are current"
+              + (f" ({counts}; `--verbose` says why)." if bad else "."))
         return 1 if bad else 0
     if not env.cuda_available():
         print("record needs a CUDA GPU (none visible). Recorded mode needs no re-recording: "

@@ -29,6 +29,7 @@ from typing import Any
 
 from . import env
 from .errors import InputError, RecordedCellError, RecordingError
+from .libcode import changed_files, code_used
 from .store import (
     MAGIC,
     CellStatus,
@@ -100,14 +101,26 @@ def recorded_cell(line: str, cell: str) -> None:
 # --- recorded mode: replay under a banner ------------------------------------------------------------
 
 
-def _banner(prov: dict, digest: str) -> dict:
-    """The banner above a replayed cell, as display data (plain text and HTML)."""
+def _banner(prov: dict, digest: str, library: dict | None) -> dict:
+    """The banner above a replayed cell, as display data (plain text and HTML). It says so when the
+    library code the cell ran has changed since (``library``: path -> hash, as recorded)."""
+    changed = changed_files(library) if library is not None else None
+    if changed is None:
+        drift = "which library code it ran was not recorded"
+    elif changed:
+        drift = f"library code changed since: {', '.join(changed)}"
+    else:
+        drift = f"the {len(library)} library files it ran are unchanged"
+    warn = changed is None or bool(changed)
     text = (f"Recorded output: this machine has no CUDA device, so this cell shows what it printed on "
-            f"{env.describe(prov)}; cell hash {digest}.")
-    html = (f'<div style="border-left:4px solid #76b900;padding:4px 8px;background:#f4f9ec">'
+            f"{env.describe(prov)}; cell hash {digest}; {drift}.")
+    commit = str(prov.get("git_commit") or "unknown")[:10]
+    html = (f'<div style="border-left:4px solid {"#d08000" if warn else "#76b900"};padding:4px 8px;'
+            f'background:{"#fdf3e1" if warn else "#f4f9ec"}">'
             f"<b>Recorded on {prov.get('gpu')}</b> · driver {prov.get('driver')} · CUDA "
             f"{prov.get('cuda')} · torch {prov.get('torch')} · transformers {prov.get('transformers')}"
-            f" · {str(prov.get('date'))[:10]} · cell {digest}</div>")
+            f" · {str(prov.get('date'))[:10]} · commit {commit} · cell {digest}"
+            f"{'<br>⚠ ' + drift if warn else ''}</div>")
     return {"text/plain": text, "text/html": html}
 
 
@@ -118,7 +131,7 @@ def _replay_recorded(shell, c: _Cell) -> None:
     store = ResultsStore()
     rec = store.load_cell(c.notebook, c.key, expected_hash=c.digest)
     prov = rec.get("provenance", {})
-    publish_display_data(_banner(prov, c.digest))
+    publish_display_data(_banner(prov, c.digest, rec.get("library")))
     for ev in rec.get("outputs", []):
         if ev["type"] == "stream":
             sys.stdout.write(ev["text"])
@@ -214,7 +227,7 @@ def _execute(shell, cell: str) -> None:
 def _run_and_record(shell, c: _Cell) -> None:
     """Run ``c`` for real, save its ``--save`` variables to the live store and, when recording, the cell."""
     failure: BaseException | None = None
-    with _captured_outputs(shell) as events:
+    with _captured_outputs(shell) as events, code_used() as library:
         try:
             _execute(shell, c.body)
         except Exception as exc:
@@ -234,7 +247,8 @@ def _run_and_record(shell, c: _Cell) -> None:
     saved = [str(store.save_value(name, shell.user_ns[var], prov).relative_to(store.path)) for var, name in targets]
     if recording_enabled():
         store.save_cell({"notebook": c.notebook, "key": c.key, "source_hash": c.digest,
-                         "source": c.body, "provenance": prov, "outputs": events, "saved": saved,
+                         "source": c.body, "library": library, "provenance": prov, "outputs": events,
+                         "saved": saved,
                          **({"error": {"ename": type(failure).__name__, "evalue": str(failure)[:4000]}}
                             if failure is not None else {})})
     if failure is not None:

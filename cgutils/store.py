@@ -35,6 +35,7 @@ from typing import Any
 from . import env
 from .checks import require_cuda
 from .errors import InputError, RecordingError, StaleRecordingError
+from .libcode import changed_files
 
 MAGIC = "%%recorded"
 
@@ -310,7 +311,12 @@ def source_hash(line: str, body: str) -> str:
 
 @dataclass(frozen=True)
 class CellStatus:
-    """Recording status of one ``%%recorded`` cell: ``status`` is ``ok``, ``stale`` or ``missing``."""
+    """Recording status of one ``%%recorded`` cell.
+
+    ``status`` is ``ok``; ``stale`` (the cell's source changed since it was recorded); ``library`` (the
+    source is unchanged but a ``cgutils`` file the cell ran has changed, or the recording does not say
+    which files it ran); or ``missing``.
+    """
 
     notebook: str
     key: str
@@ -338,6 +344,21 @@ def recorded_cells(notebook_path: Path | str) -> list[tuple[str, str, str]]:
     return out
 
 
+def _library_status(notebook: str, key: str, rec: dict) -> CellStatus:
+    """``ok``, or ``library`` when the package files the recorded cell ran have changed since."""
+    when = ((rec.get("provenance") or {}).get("date") or "?")[:10]
+    library = rec.get("library")
+    if library is None:
+        return CellStatus(notebook, key, "library", f"cell {key!r} of {notebook} was recorded on {when} without "
+                          f"the list of library files it ran; re-record it with `make record` on a CUDA machine")
+    changed = changed_files(library)
+    if changed:
+        return CellStatus(notebook, key, "library", f"cell {key!r} of {notebook} ran library code that changed "
+                          f"since it was recorded on {when}: {', '.join(changed)}. Its recorded output may no "
+                          f"longer match the code: re-record with `make record` on a CUDA machine")
+    return CellStatus(notebook, key, "ok")
+
+
 def check_recordings(notebooks_dir: Path | str | None = None, store: ResultsStore | None = None) -> list[CellStatus]:
     """Check every ``%%recorded`` cell of every notebook against the store.
 
@@ -346,9 +367,10 @@ def check_recordings(notebooks_dir: Path | str | None = None, store: ResultsStor
         store: the recording to check; default :class:`ResultsStore` ().
 
     Returns:
-        One :class:`CellStatus` per recorded cell; all ``ok`` means recorded mode will show current
-        outputs. A cell is current when its source is unchanged; the code it calls may have changed
-        since, which the banner's commit (provenance) tells.
+        One :class:`CellStatus` per recorded cell; all ``ok`` means recorded mode shows outputs that the
+        notebook's cells and the library as they are now would produce on that GPU: a cell is current
+        when its source and every ``cgutils`` file it ran (recorded with the cell, see
+        :mod:`cgutils.libcode`) are unchanged.
 
     Raises:
         RecordingError: ``notebooks_dir`` is missing or holds no notebook.
@@ -361,8 +383,8 @@ def check_recordings(notebooks_dir: Path | str | None = None, store: ResultsStor
     for nb_path in sorted(nb_dir.glob("*.ipynb")):
         for key, line, body in recorded_cells(nb_path):
             try:
-                store.load_cell(nb_path.stem, key, expected_hash=source_hash(line, body))
-                result.append(CellStatus(nb_path.stem, key, "ok"))
+                rec = store.load_cell(nb_path.stem, key, expected_hash=source_hash(line, body))
+                result.append(_library_status(nb_path.stem, key, rec))
             except StaleRecordingError as exc:
                 result.append(CellStatus(nb_path.stem, key, "stale", str(exc)))
             except RecordingError as exc:

@@ -141,3 +141,41 @@ def test_magic_needs_setup_and_valid_arguments(shell, tmp_results):
     fresh.setup_notebook("01_demo")
     with pytest.raises(cg.InputError, match="bad %%recorded arguments"):
         run_cell(shell, "", "x = 1")
+
+
+LIB_BODY = "import cgutils\nv = cgutils.checks.first_line(ValueError('a\\nb'))"
+
+
+def test_live_cell_records_the_library_files_it_ran(gpu, shell):
+    """A recording names the cgutils files the cell ran and their hashes (library staleness, issue 12)."""
+    from cgutils import libcode
+
+    run_cell(shell, " lib", LIB_BODY)
+    rec = gpu.load_cell("01_demo", "lib")
+    assert rec["library"]["cgutils/checks.py"] == libcode.file_hash(libcode.PACKAGE_DIR / "checks.py")
+    assert libcode.changed_files(rec["library"]) == []
+
+
+def test_library_change_is_reported_by_check_and_banner(gpu, shell, monkeypatch, tmp_path):
+    """`record --check` called 27/27 cells current while the library they ran had changed over 7 commits."""
+    import json
+
+    run_cell(shell, " lib", LIB_BODY)
+    path = gpu.cell_path("01_demo", "lib")
+    rec = json.loads(path.read_text())
+    rec["library"]["cgutils/checks.py"] = "0" * 16  # as if checks.py changed after recording
+    path.write_text(json.dumps(rec))
+    nb = {"cells": [{"cell_type": "code", "source": f"%%recorded lib\n{LIB_BODY}", "metadata": {}, "outputs": [],
+                     "execution_count": None}], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    (tmp_path / "nbs").mkdir()
+    (tmp_path / "nbs" / "01_demo.ipynb").write_text(json.dumps(nb))
+    [status] = cg.check_recordings(tmp_path / "nbs", gpu)
+    assert status.status == "library" and "cgutils/checks.py" in status.detail
+    shown = recorded_mode(monkeypatch)
+    run_cell(shell, " lib", LIB_BODY)
+    assert "library code changed since: cgutils/checks.py" in shown[0]["text/plain"]
+    assert "⚠" in shown[0]["text/html"] and "commit abcdef1234" in shown[0]["text/html"]
+    del rec["library"]  # a recording made before library files were tracked is not called current
+    path.write_text(json.dumps(rec))
+    [status] = cg.check_recordings(tmp_path / "nbs", gpu)
+    assert status.status == "library" and "without the list of library files" in status.detail

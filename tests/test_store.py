@@ -167,7 +167,7 @@ def test_check_recordings_reports_ok_stale_and_missing(tmp_results, tmp_path):
     body = "v = 1"
     assert [s.status for s in check_recordings(_notebook(tmp_path, body), store)] == ["missing"]
     store.save_cell({"notebook": "01_demo", "key": "demo", "source_hash": source_hash(" demo --save v", body),
-                     "source": body, "provenance": PROV, "outputs": []})
+                     "source": body, "provenance": PROV, "outputs": [], "library": {}})
     assert [(s.notebook, s.key, s.status) for s in check_recordings(_notebook(tmp_path, body), store)] == [
         ("01_demo", "demo", "ok")]
     stale = check_recordings(_notebook(tmp_path, "v = 2"), store)
