@@ -1,9 +1,10 @@
-"""Command line: ``python -m cgutils {env, bench, trace, record}``.
+"""Command line: ``python -m cgutils {env, bench, trace, record, figures}``.
 
 * ``env``: device, mode and versions; the recordings available.
 * ``bench [SUITE]``: a benchmark suite of :data:`cgutils.bench.SUITES` (``bench --help`` lists them).
   Measured on a CUDA GPU; without one, the recorded tables and their provenance (exit 0).
 * ``trace FILE``: launch statistics and a launch-bound verdict for a torch.profiler trace.
+* ``figures``: redraw the committed figures from the committed recordings (no GPU needed).
 * ``record``: on a CUDA GPU, execute every notebook live and record results into ``results/<gpu>/``;
   ``record --check`` reports recordings that are stale (cell changed), ran library code that changed
   since, or are missing (exit 1 if any).
@@ -93,20 +94,38 @@ def cmd_record(args: argparse.Namespace) -> int:
         print("record needs a CUDA GPU (none visible). Recorded mode needs no re-recording: "
               "`python -m cgutils record --check` tells whether the recordings are current.")
         return 2
+    os.environ["CGUTILS_RECORD"] = "1"  # the kernels inherit it
+    return _execute_notebooks(args.notebooks, args.timeout, "recording notebooks")
+
+
+def cmd_figures(args: argparse.Namespace) -> int:
+    """Redraw the committed figures (``figures/``) from the committed data: the notebooks run in recorded
+    mode, their plotting cells write to ``figures/``. No GPU needed."""
+    os.environ["CGUTILS_MODE"] = "recorded"
+    os.environ["CGUTILS_REDRAW_FIGURES"] = "1"  # the kernels inherit both
+    return _execute_notebooks(args.notebooks, args.timeout, "redrawing figures")
+
+
+def _execute_notebooks(stems: list[str] | None, timeout: int, desc: str) -> int:
+    """Execute notebooks (all, or the given file stems) into ``build/notebooks/``; 1 if any failed."""
     import nbformat
     from nbclient import NotebookClient
     from tqdm.auto import tqdm
 
-    os.environ["CGUTILS_RECORD"] = "1"  # the kernels inherit it
     nb_dir = env.REPO_ROOT / "notebooks"
     out_dir = env.REPO_ROOT / "build" / "notebooks"
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [nb_dir / f"{n}.ipynb" for n in args.notebooks] if args.notebooks else sorted(nb_dir.glob("*.ipynb"))
+    paths = [nb_dir / f"{n}.ipynb" for n in stems] if stems else sorted(nb_dir.glob("*.ipynb"))
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        print(f"error: no notebook {', '.join(missing)} in {nb_dir}; give file stems such as 01_launch_overhead",
+              file=sys.stderr)
+        return 1
     failed = []
-    for p in tqdm(paths, desc="recording notebooks"):
+    for p in tqdm(paths, desc=desc):
         nb = nbformat.read(p, as_version=4)
         try:
-            NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
+            NotebookClient(nb, timeout=timeout, kernel_name="python3",
                            resources={"metadata": {"path": str(nb_dir)}}).execute()
         except Exception as exc:  # keep going: record what can be recorded, report the rest
             failed.append(f"{p.name}: {type(exc).__name__}: {str(exc)[-500:]}")
@@ -163,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
     r.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
     r.set_defaults(func=cmd_record)
+    f = sub.add_parser("figures", help="redraw figures/ from the committed recordings (no GPU needed)")
+    f.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
+    f.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
+    f.set_defaults(func=cmd_figures)
     t = sub.add_parser("trace", help="summarise a torch.profiler Chrome trace (.json or .json.gz)")
     t.add_argument("file")
     t.add_argument("--range", help="also break down the GPU work launched inside this annotation")

@@ -7,6 +7,10 @@ suites' labels in :data:`cgutils.bench.SUITES`.
 
 from __future__ import annotations
 
+import html
+import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -23,22 +27,57 @@ COLORS = {"eager": "#7f7f7f", "graph_runner": "#76b900", "raw_graph": "#1f77b4",
           "article": "#000000"}
 
 
-def save_figure(fig, name: str, folder: Path | str | None = None) -> list[Path]:
+def save_figure(fig, name: str, data: Iterable[str] = (), folder: Path | str | None = None) -> list[Path]:
     """Save ``fig`` as ``<folder>/<name>.png`` (150 dpi) and ``.svg``; returns the paths.
 
-    Default folder: ``figures/`` while recording (``CGUTILS_RECORD=1``), else ``build/figures/``.
+    Args:
+        fig: a matplotlib figure.
+        name: file stem, e.g. ``"launch_chain"``.
+        data: the store entries the figure was drawn from (names as in ``%%recorded --save VAR:NAME``,
+            or a file under the store such as ``traces/bert_eager.json.gz``). Their content hashes go into
+            the figure's metadata (PNG text and SVG ``dc:description``, :func:`figure_sources`), so that a
+            committed figure older than its committed data is caught (tests/test_figures.py).
+        folder: default ``figures/`` while recording (``CGUTILS_RECORD=1``) or redrawing the committed
+            figures (``CGUTILS_REDRAW_FIGURES=1``, ``python -m cgutils figures``), else ``build/figures/``.
+
     Metadata that changes per run (software version, date, SVG element ids) is left out so that
     re-drawing the same data gives the same files.
-    """
-    from .store import recording_enabled
 
-    folder = Path(folder) if folder is not None else (FIGURES if recording_enabled() else SCRATCH_FIGURES)
+    Raises:
+        RecordingError: a ``data`` name has no file in the current store (:func:`cgutils.store.current_store`).
+    """
+    from .libcode import file_hash
+    from .store import current_store, recording_enabled
+
+    names = [data] if isinstance(data, str) else list(data)
+    store = current_store() if names else None
+    sources = {n: file_hash(store.value_file(n)) for n in names} if store is not None else {}
+    description = json.dumps({"data": sources, "store": store.slug if store else None}, sort_keys=True)
+    redraw = recording_enabled() or os.environ.get("CGUTILS_REDRAW_FIGURES") == "1"
+    folder = Path(folder) if folder is not None else (FIGURES if redraw else SCRATCH_FIGURES)
     plt.rcParams["svg.hashsalt"] = "cgutils"
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{name}.png", folder / f"{name}.svg"]
-    fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata={"Software": None})
-    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata={"Software": None, "Description": description})
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None, "Creator": None, "Description": description})
     return paths
+
+
+def figure_sources(path: Path | str) -> dict:
+    """What :func:`save_figure` wrote into a figure's metadata: ``{"data": {name: hash}, "store": slug}``;
+    ``{}`` for a figure without it. Reads PNG text chunks or the SVG's ``dc:description``."""
+    import re
+
+    p = Path(path)
+    if p.suffix == ".png":
+        from PIL import Image
+
+        with Image.open(p) as im:
+            text = im.text.get("Description")
+    else:
+        m = re.search(r"<dc:description>(.*?)</dc:description>", p.read_text(encoding="utf-8"), re.S)
+        text = html.unescape(m.group(1)) if m else None
+    return json.loads(text) if text else {}
 
 
 def speedup_bars(summary, title: str = ""):

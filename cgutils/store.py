@@ -211,6 +211,21 @@ class ResultsStore:
         p = self._value_path(name, ".meta.json")
         return _read_json(p) if p.exists() else self.meta()
 
+    def value_file(self, name: str) -> Path:
+        """The file that holds a saved table or value: ``<name>.csv``, ``<name>.json``, or ``<name>`` itself
+        (a file saved under its own name, e.g. ``traces/bert_replay.json.gz``).
+
+        Raises:
+            InputError: ``name`` leaves the store.
+            RecordingError: no such file.
+        """
+        for suffix in (".csv", ".json", ""):
+            p = self._value_path(name, suffix)
+            if p.is_file():
+                return p
+        raise RecordingError(f"no recorded table, value or file {name!r} for {self.slug} under {self.path}; "
+                             f"run `make record` on that GPU")
+
     def load_value(self, name: str) -> Any:
         """Inverse of :meth:`save_value`.
 
