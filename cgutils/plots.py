@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from . import env
 from .bench.registry import SUITES
@@ -82,7 +83,10 @@ def figure_sources(path: Path | str) -> dict:
 
 def speedup_bars(summary, title: str = ""):
     """Graph speedup over eager per workload (bars per variant), the source article's A100 speedup as
-    a black tick. One panel per dtype. ``summary`` is :func:`cgutils.bench.summary_table`'s output."""
+    a black tick. One panel per dtype. ``summary`` is :func:`cgutils.bench.summary_table`'s output.
+
+    Where the summary has ``<variant>_speedup_p10`` and ``_p90`` (a table measured in interleaved
+    trials), each bar carries an error bar from the 10th to the 90th percentile across trials."""
     variants = [v for v in ("graph_runner", "raw_graph", "compile_ro") if f"{v}_speedup" in summary]
     dtypes = _dtypes(summary)
     fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
@@ -92,7 +96,8 @@ def speedup_bars(summary, title: str = ""):
         xs = range(len(part))
         for i, v in enumerate(variants):
             ax.bar([x + (i - (len(variants) - 1) / 2) * width for x in xs], part[f"{v}_speedup"],
-                   width, label=_label(v), color=COLORS[v])
+                   width, label=_label(v), color=COLORS[v], yerr=_speedup_range(part, v),
+                   error_kw={"ecolor": "#222", "elinewidth": 0.8, "capsize": 2})
         ax.scatter(list(xs), part["article_speedup"], marker="_", s=600, color=COLORS["article"],
                    linewidths=2.5, label="source article, A100 (graph)", zorder=3)
         ax.axhline(1.0, color="#444", lw=0.8, ls="--")
@@ -101,6 +106,18 @@ def speedup_bars(summary, title: str = ""):
         ax.set_ylabel("speedup over eager (x)")
     _legend_below(fig, axes[0][0], title)
     return fig
+
+
+def _speedup_range(part, v: str):
+    """Error bar lengths ``[below, above]`` for ``v``'s speedup bars: median to p10 and to p90 across
+    trials; ``None`` (no error bars) where the summary has no range columns (tables recorded before
+    interleaved trials)."""
+    if f"{v}_speedup_p10" not in part or f"{v}_speedup_p90" not in part:
+        return None
+    mid = part[f"{v}_speedup"]
+    below = (mid - part[f"{v}_speedup_p10"]).clip(lower=0).fillna(0)
+    above = (part[f"{v}_speedup_p90"] - mid).clip(lower=0).fillna(0)
+    return [below.to_numpy(), above.to_numpy()]
 
 
 def latency_bars(summary, title: str = ""):
@@ -124,19 +141,21 @@ def latency_bars(summary, title: str = ""):
 
 
 def speedup_vs_ops(summary, variant: str = "graph_runner", title: str = ""):
-    """Speedup of ``variant`` against GPU activities per forward (log x): launch-bound work gains most."""
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    """Speedup of ``variant`` against GPU activities per forward: does launching more kernels mean a larger gain?"""
+    fig, ax = plt.subplots(figsize=(6, 4))
     per_forward = summary["gpu_ops_per_forward"]
+    speedup = summary[f"{variant}_speedup"]
     for dtype, marker in (("fp32", "o"), ("fp16", "s")):
         m = summary["dtype"] == dtype
-        ax.scatter(per_forward[m], summary.loc[m, f"{variant}_speedup"], marker=marker, s=50,
-                   color=COLORS[variant], edgecolor="k", label=dtype)
-        for x, y, w in zip(per_forward[m], summary.loc[m, f"{variant}_speedup"], summary.loc[m, "workload"], strict=False):
-            ax.annotate(w, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    ax.set_xscale("log")
+        ax.scatter(per_forward[m], speedup[m], marker=marker, s=50, color=COLORS[variant], edgecolor="k", label=dtype)
+    # neighbours along x get labels above and below in turn: side by side they overlapped
+    for k, i in enumerate(per_forward.sort_values().index):
+        ax.annotate(f"{summary.loc[i, 'workload']} {summary.loc[i, 'dtype']}", (per_forward[i], speedup[i]),
+                    fontsize=7, xytext=(5, 5 if k % 2 == 0 else -11), textcoords="offset points")
     ax.axhline(1.0, color="#444", lw=0.8, ls="--")
     ax.set_xlabel("GPU activities per forward (kernels + copies)")
     ax.set_ylabel(f"{_label(variant)} speedup over eager (x)")
+    ax.margins(x=0.2)
     ax.legend(fontsize=8)
     return _finish(fig, ax, title)
 
@@ -174,6 +193,10 @@ def decoder_bars(gen, title: str = ""):
     for y, (ms, tps) in enumerate(zip(ok.median_ms, ok.tokens_per_s, strict=True)):
         ax.annotate(f" {ms:.0f} ms, {tps:.0f} tok/s", (ms, y), va="center", fontsize=8)
     ax.set_xscale("log")
+    # plain numbers on the log axis: the default 10^2-style labels and minor labels collided
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(right=ok.median_ms.max() * 6)  # room for the labels right of the longest bar
     ax.invert_yaxis()
     ax.set_xlabel("one generate call, median (ms, log scale)")
     return _finish(fig, ax, title)
@@ -236,8 +259,9 @@ def size_plot(sizes, launch_us: float, crossover_elements: float, title: str = "
 
 def launch_bound_bars(bound, title: str = ""):
     """Stacked bars per model and mode: GPU busy time and GPU idle time (µs) of one forward."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [f"{m}\n{mode}" for m, mode in zip(bound.model, bound["mode"])]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    # model names break onto lines of their own: side by side they ran into each other at this width
+    labels = [f"{m.replace(' ', chr(10), 1) if len(m) > 12 else m}\n{mode}" for m, mode in zip(bound.model, bound["mode"])]
     idle = (bound.wall_us - bound.busy_us).clip(lower=0)
     ax.bar(labels, bound.busy_us, color=COLORS["raw_graph"], label="GPU busy (kernel time)")
     ax.bar(labels, idle, bottom=bound.busy_us, color="#dddddd", label="GPU idle (waiting for launches)")
