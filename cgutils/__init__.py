@@ -48,7 +48,7 @@ from .overhead import gpu_activity, runtime_calls
 from .pitfalls import PITFALLS, DropoutNet, Scaled
 from .recorded import setup_notebook
 from .store import ResultsStore, check_recordings, current_store
-from .timing import Timing, device_sync, measure
+from .timing import Timing, device_sync, interleaved_trials, measure, summarize_trials
 from .trace import Trace, compare, load_trace, profile
 from .workloads import WORKLOADS, get_workload
 
@@ -62,8 +62,8 @@ __all__ = [
     "CaptureError", "CgutilsError", "InputError", "NoCudaError", "RecordingError", "StaleRecordingError",
     "RecordedCellError", "TraceFormatError",
     # timing, annotation, traces, launch overhead
-    "Timing", "device_sync", "measure", "nvtx_range", "annotate_modules", "range_overhead_us", "Trace",
-    "compare", "load_trace", "profile", "gpu_activity", "runtime_calls",
+    "Timing", "device_sync", "measure", "interleaved_trials", "summarize_trials", "nvtx_range", "annotate_modules",
+    "range_overhead_us", "Trace", "compare", "load_trace", "profile", "gpu_activity", "runtime_calls",
     # workloads, generation, benchmark suites
     "WORKLOADS", "get_workload", "GreedyDecoder", "StaticKVState", "hf_generate", "SUITES", "speedup_table",
     "summary_table", "graph_methods_table", "method_targets", "memory_table", "validation_cost",

@@ -63,7 +63,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _show_recorded(suite, f"No live {suite.name} tables in {store.path} yet (run `make run`).",
                               args.markdown)
     frames = suite.run(Options(workloads=tuple(args.workloads) if args.workloads else None,
-                               dtypes=tuple(args.dtypes), variants=tuple(args.variants), budget_s=args.budget))
+                               dtypes=tuple(args.dtypes), variants=tuple(args.variants), budget_s=args.budget,
+                               trials=args.trials))
     prov = store.write_meta()
     for name, df in frames.items():
         if args.out:
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "fp16"])
     b.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     b.add_argument("--budget", type=float, default=2.0, help="timed seconds per row (default 2)")
+    b.add_argument("--trials", type=int, default=Options.trials,
+                   help=f"interleaved trials per workload and dtype, speedup suite only (default {Options.trials})")
     b.add_argument("--out", help="folder for the CSV tables (default: the live store, build/live/<gpu>/)")
     b.add_argument("--show", action="store_true", help="print the latest table, do not measure")
     b.add_argument("--markdown", action="store_true",

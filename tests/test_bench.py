@@ -140,3 +140,154 @@ def test_method_targets_tolerate_a_missing_method():
     t = method_targets(df).iloc[0]
     assert abs(t.runner_us_over_raw - 1.0) < 1e-6 and t.runner_vs_compile_ro == pytest.approx(2.002)
     assert pd.isna(t.runner_compiled_vs_compile_ro)
+
+
+# --- the speedup table: interleaved trials, ranges in the summary, the README table and the figure ----
+
+
+def _speedup_rows(with_trials: bool) -> pd.DataFrame:
+    """A two-row speedup table by hand: eager 5.20 ms (p10 4.99, p90 5.38) and GraphRunner 0.60 ms.
+    The paired GraphRunner speedup (8.77×, 8.61–8.90) differs from 5.20 / 0.60 = 8.67× on purpose."""
+    common = {"workload": "w", "dtype": "fp16", "gpu_ops": 180, "forwards": 1, "article_eager_ms": 3.2,
+              "article_graph_ms": 2.4, "status": "ok", "gpu": "Fake GPU", "n": 70, "setup_s": 0.1}
+    rows = [
+        {**common, "variant": "eager", "median_ms": 5.20, "p10_ms": 4.99, "p90_ms": 5.38,
+         "speedup": 1.0, "speedup_p10": 1.0, "speedup_p90": 1.0, "trials": 7},
+        {**common, "variant": "graph_runner", "median_ms": 0.60, "p10_ms": 0.59, "p90_ms": 0.61,
+         "speedup": 8.77, "speedup_p10": 8.61, "speedup_p90": 8.90, "trials": 7},
+        {**common, "variant": "compile_ro", "status": "skipped: not measured here (shapes change every step)"},
+    ]
+    df = pd.DataFrame(rows)
+    if not with_trials:  # as recorded before interleaved trials
+        df = df.drop(columns=["trials", "speedup_p10", "speedup_p90"])
+        df["speedup"] = [1.0, 5.20 / 0.60, float("nan")]
+    return df
+
+
+def _markdown_cells(md: str, workload: str) -> dict:
+    """``{column header: cell text}`` of ``workload``'s row in a markdown table."""
+    lines = md.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    row = next(line for line in lines if line.startswith(f"| {workload} "))
+    return dict(zip(header, (c.strip() for c in row.strip("|").split("|")), strict=True))
+
+
+def test_summary_and_markdown_show_the_range_across_trials():
+    from cgutils.bench import markdown_table, summary_table
+
+    s = summary_table(_speedup_rows(True)).iloc[0]
+    assert s.graph_runner_speedup == pytest.approx(8.77)  # the paired speedup, not 5.20 / 0.60
+    assert (s.graph_runner_speedup_p10, s.graph_runner_speedup_p90) == (8.61, 8.90)
+    assert (s.eager_p10, s.eager_p90, s.trials) == (4.99, 5.38, 7)
+    md = markdown_table(_speedup_rows(True), {"gpu": "Fake GPU"})
+    cells = _markdown_cells(md, "w")
+    assert cells["eager ms"] == "5.20 (4.99–5.38)" and cells["speedup"] == "8.77× (8.61–8.90)"
+    assert float(cells["GraphRunner ms"]) == 0.6  # stable: no range shown
+    assert md.rstrip().endswith("median of 7 interleaved trials; range p10–p90 across trials.")
+
+
+def test_summary_and_markdown_of_a_table_without_trials_show_no_range():
+    """Tables recorded before interleaved trials (results/nvidia-h200/speedup.csv) keep their table."""
+    from cgutils.bench import markdown_table, summary_table
+
+    s = summary_table(_speedup_rows(False))
+    assert not [c for c in s.columns if c.endswith(("_p10", "_p90")) or c == "trials"]
+    assert s.graph_runner_speedup.iloc[0] == pytest.approx(5.20 / 0.60)
+    md = markdown_table(_speedup_rows(False), {"gpu": "Fake GPU"})
+    cells = _markdown_cells(md, "w")
+    assert float(cells["eager ms"]) == 5.2 and cells["speedup"] == "8.67×"
+    assert md.rstrip().endswith("batch 1, median of CUDA-event timings.") and "interleaved" not in md
+    recorded = ResultsStore("nvidia-h200", Path(__file__).resolve().parents[1] / "results")
+    md = markdown_table(recorded.load_frame("speedup"), recorded.meta_for("speedup"))
+    assert "interleaved" not in md and "–" not in md
+
+
+@pytest.mark.parametrize("with_trials", [True, False])
+def test_speedup_figure_shows_the_range_as_error_bars(with_trials):
+    from cgutils.bench import summary_table
+
+    fig = plots.speedup_bars(summary_table(_speedup_rows(with_trials)))
+    bars = [c for c in fig.axes[0].containers if isinstance(c, matplotlib.container.BarContainer)]
+    matplotlib.pyplot.close(fig)
+    assert bars
+    errorbars = [b.errorbar for b in bars if b.errorbar is not None]
+    if not with_trials:
+        assert not errorbars
+        return
+    (eb,) = errorbars
+    (segments,) = [c for c in eb.lines[2]]  # the vertical line of the one bar: from p10 to p90
+    (x0, y0), (x1, y1) = segments.get_segments()[0]
+    assert (y0, y1) == pytest.approx((8.61, 8.90))
+
+
+def test_compile_skip_reason_claims_nothing_unmeasured():
+    """The old reason said "one recompilation per length", which nothing here measured."""
+    from types import SimpleNamespace
+
+    from cgutils.bench import make_step
+
+    assert make_step("compile_ro", SimpleNamespace(shapes_change=True)) == (
+        "skipped: not measured here (shapes change every step)")
+
+
+def test_speedup_table_sets_up_every_variant_then_times_them_interleaved(monkeypatch):
+    """CUDA faked away, stand-in steps on the CPU: every variant's first call (capture or compilation)
+    runs before any timed call and the dynamo reset only then; a variant failing in set-up and one
+    failing in a trial get error rows while the others are measured in all trials."""
+    from types import SimpleNamespace
+
+    from cgutils.bench import speedup
+    from cgutils.timing import Timing
+    from cgutils.workloads import Built
+
+    log = []
+    counts = {}
+
+    def step_for(kind):
+        def step(x):
+            counts[kind] = counts.get(kind, 0) + 1
+            log.append(kind)
+            if kind == "compile_ro":
+                raise RuntimeError("compile broke")
+            if kind == "raw_graph" and counts[kind] > 20:  # set-up 1 + warm-up 5 + 5 per trial: in trial 2
+                raise RuntimeError("replay broke")
+            return x
+        return step
+
+    built = Built(model=torch.nn.Identity(), step=lambda x: x, inputs=lambda seed: (torch.zeros(1),),
+                  iterate=lambda impl, inputs: impl(*inputs))
+    workload = SimpleNamespace(name="w", article_ms=(2.0, 1.0), build=lambda dtype, device: built)
+    monkeypatch.setattr(speedup, "require_cuda", lambda *a: None)
+    monkeypatch.setattr(speedup, "get_workload", lambda name: workload)
+    monkeypatch.setattr(speedup, "gpu_activity", lambda run: (7, 0.0))
+    monkeypatch.setattr(speedup, "measure", lambda *a, **k: Timing(5.0, 5.0, 5.0, 3, "cuda_event"))  # eager estimate
+    monkeypatch.setattr(speedup, "make_step", lambda kind, b: step_for(kind))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: log.append("reset"))
+
+    df = speedup.speedup_table(["w"], ["fp16"], progress=False, trials=3, budget_s=0.01)
+    assert log[:5] == ["eager", "graph_runner", "raw_graph", "reset", "compile_ro"]  # set-up, in order
+    assert log.count("reset") == 1
+    assert list(df.columns) == speedup.COLUMNS
+    r = df.set_index("variant")
+    assert r.loc["raw_graph", "status"] == "error: RuntimeError: replay broke"
+    assert r.loc["compile_ro", "status"] == "error: RuntimeError: compile broke"
+    assert list(r.loc[["eager", "graph_runner"], "status"]) == ["ok", "ok"]
+    assert list(r.loc[["eager", "graph_runner"], "trials"]) == [3, 3]
+    e, g = r.loc["eager"], r.loc["graph_runner"]
+    assert (e.speedup, e.speedup_p10, e.speedup_p90) == (1.0, 1.0, 1.0)
+    assert g.speedup_p10 <= g.speedup <= g.speedup_p90 and g.setup_s >= 0
+    # eager estimated at 5 ms, budget 0.01 s: 10 timed iterations (the floor) over 3 trials -> 4 per trial
+    assert e.n == g.n == 12
+    assert counts["eager"] == counts["graph_runner"] == 1 + 5 + 3 * (1 + 4)  # set-up, warm-up, trials
+    assert counts["raw_graph"] == 21  # failed in the last trial: no partial trials in its row
+    assert pd.isna(r.loc["raw_graph", "median_ms"])
+
+
+def test_speedup_table_checks_trials_first():
+    from cgutils.bench import speedup_table
+    from cgutils.errors import InputError
+
+    with pytest.raises(InputError, match="trials must be an int >= 1"):
+        speedup_table(trials=0)

@@ -115,7 +115,7 @@ def test_every_suite_shows_the_committed_recording(name, flags, capsys, monkeypa
 
 
 def test_live_run_passes_the_flags_and_writes_every_table(tmp_results, tmp_path, capsys, monkeypatch):
-    """On a GPU the CLI measures: the suite gets --workloads/--dtypes/--variants/--budget as Options,
+    """On a GPU the CLI measures: the suite gets --workloads/--dtypes/--variants/--budget/--trials as Options,
     and every table it registers is written (here to --out) before the report. CUDA is faked and the
     suite is a stand-in, so this runs anywhere."""
     from cgutils.__main__ import main
@@ -136,9 +136,10 @@ def test_live_run_passes_the_flags_and_writes_every_table(tmp_results, tmp_path,
 
     out = tmp_path / "out"
     assert main(["bench", "fake", "--workloads", "resnet50", "--dtypes", "fp16", "--variants", "eager",
-                 "--budget", "0.5", "--out", str(out)]) == 0
+                 "--budget", "0.5", "--trials", "3", "--out", str(out)]) == 0
     opts = got["opts"]
     assert (opts.workloads, opts.dtypes, opts.variants, opts.budget_s) == (("resnet50",), ("fp16",), ("eager",), 0.5)
+    assert opts.trials == 3
     assert sorted(p.name for p in out.iterdir()) == ["first.csv", "second.csv"]
     printed = capsys.readouterr().out
     assert f"wrote {out / 'first.csv'}" in printed

@@ -60,3 +60,151 @@ def test_measure_rejects_bad_arguments_clearly():
         cg.measure(lambda: None, device="meta")
     with pytest.raises(cg.InputError, match="unknown device 'gpu'"):
         cg.measure(lambda: None, device="gpu")
+
+
+# --- interleaved trials ---------------------------------------------------------------------------
+
+
+def _logging_fns(names, log):
+    return {n: (lambda n=n: log.append(n)) for n in names}
+
+
+def _trial_orders(frame):
+    return [tuple(g.sort_values("order").variant) for _, g in frame.groupby("trial")]
+
+
+def test_interleaved_trials_shuffle_the_order_per_trial_and_follow_the_seed():
+    """The run order changes between trials, every variant goes first equally often (8 trials of 4:
+    twice each), the `order` column is the order the calls really ran in, and the seed fixes it."""
+    names = ["eager", "graph_runner", "raw_graph", "compile_ro"]
+    log = []
+    frame = cg.interleaved_trials(_logging_fns(names, log), trials=8, iters=1, warmup=0, trial_warmup=0,
+                                  device="cpu", seed=0)
+    orders = _trial_orders(frame)
+    assert [n for order in orders for n in order] == log  # one call per variant per trial, in `order`
+    assert len(set(orders)) > 1
+    firsts = [o[0] for o in orders]
+    assert sorted(firsts.count(n) for n in names) == [2, 2, 2, 2]
+    again = cg.interleaved_trials(_logging_fns(names, []), trials=8, iters=1, warmup=0, trial_warmup=0,
+                                  device="cpu", seed=0)
+    assert _trial_orders(again) == orders
+    other = cg.interleaved_trials(_logging_fns(names, []), trials=8, iters=1, warmup=0, trial_warmup=0,
+                                  device="cpu", seed=1)
+    assert _trial_orders(other) != orders
+    # rows come in the order of fns within each trial, whatever order they ran in
+    assert frame.variant.tolist() == names * 8 and frame.trial.tolist() == [t for t in range(8) for _ in names]
+    assert set(frame.columns) == {"trial", "variant", "order", "median_ms", "p10_ms", "p90_ms", "n", "clock"}
+
+
+def test_interleaved_trials_warm_up_every_variant_before_the_first_trial():
+    log = []
+    frame = cg.interleaved_trials(_logging_fns(["a", "b", "c"], log), trials=4, iters=3, warmup=2,
+                                  trial_warmup=1, device="cpu")
+    assert log[:6] == ["a", "a", "b", "b", "c", "c"]
+    blocks = [log[i:i + 4] for i in range(6, len(log), 4)]  # per trial and variant: 1 untimed + 3 timed
+    assert len(blocks) == 12 and all(len(set(b)) == 1 for b in blocks)
+    assert frame.n.tolist() == [3] * 12 and set(frame.clock) == {"perf_counter"}
+
+
+def test_interleaved_trials_time_each_block_and_summarize_pairs_them(monkeypatch):
+    """End to end with a fake clock (each perf_counter() read advances 1 ms): a call of `slow` reads
+    the clock twice itself, so it spans 3 ticks against `fast`'s 1; the speedup is exactly 3."""
+    clock = iter(np.arange(0, 1e6, 1.0) / 1e3)
+    monkeypatch.setattr("cgutils.timing.time.perf_counter", lambda: next(clock))
+    import cgutils.timing as timing
+
+    def slow():
+        timing.time.perf_counter()
+        timing.time.perf_counter()
+
+    frame = cg.interleaved_trials({"slow": slow, "fast": lambda: None}, trials=5, iters=4, device="cpu")
+    assert frame.median_ms.round(6).tolist() == [3.0, 1.0] * 5
+    s = cg.summarize_trials(frame, "slow").set_index("variant")
+    assert s.loc["fast", "speedup"] == pytest.approx(3.0) and s.loc["slow", "speedup"] == 1.0
+    assert s.loc["fast", "trials"] == 5 and s.loc["fast", "n"] == 20
+
+
+def test_a_failing_variant_is_dropped_and_the_others_go_on():
+    calls = {"n": 0}
+
+    def breaks_in_trial_2():
+        calls["n"] += 1
+        if calls["n"] > 1 + 2 * 3:  # warm-up, then trials 0 and 1 (1 untimed + 2 timed each)
+            raise RuntimeError("replay broke")
+
+    failed = {}
+    frame = cg.interleaved_trials({"ok": lambda: None, "bad": breaks_in_trial_2}, trials=4, iters=2,
+                                  warmup=1, device="cpu", failed=failed)
+    assert list(failed) == ["bad"] and "replay broke" in str(failed["bad"])
+    assert frame.variant.tolist() == ["ok"] * 4  # no partial trials of the failed variant
+    with pytest.raises(RuntimeError, match="replay broke"):  # without `failed` it propagates
+        calls["n"] = 0
+        cg.interleaved_trials({"ok": lambda: None, "bad": breaks_in_trial_2}, trials=4, iters=2, warmup=1,
+                              device="cpu")
+
+
+def test_interleaved_trials_reject_bad_arguments_before_calling_anything():
+    called = []
+    fn = lambda: called.append(1)  # noqa: E731
+    with pytest.raises(cg.InputError, match="at least one variant"):
+        cg.interleaved_trials({}, device="cpu")
+    with pytest.raises(cg.InputError, match="at least one variant"):
+        cg.interleaved_trials([fn], device="cpu")
+    with pytest.raises(cg.InputError, match="variant 'x' must be a callable"):
+        cg.interleaved_trials({"x": 3}, device="cpu")
+    with pytest.raises(cg.InputError, match="variant names must be strings"):
+        cg.interleaved_trials({1: fn}, device="cpu")
+    with pytest.raises(cg.InputError, match="trials must be an int >= 1"):
+        cg.interleaved_trials({"x": fn}, trials=0, device="cpu")
+    with pytest.raises(cg.InputError, match="trials must be an int >= 1"):
+        cg.interleaved_trials({"x": fn}, trials=True, device="cpu")
+    with pytest.raises(cg.InputError, match="iters must be an int >= 1"):
+        cg.interleaved_trials({"x": fn}, iters=0, device="cpu")
+    with pytest.raises(cg.InputError, match="seed must be an int >= 0"):
+        cg.interleaved_trials({"x": fn}, seed=-1, device="cpu")
+    with pytest.raises(cg.InputError, match="not 'meta'"):
+        cg.interleaved_trials({"x": fn}, device="meta")
+    assert not called
+
+
+def _trial_frame(rows):
+    import pandas as pd
+
+    return pd.DataFrame([{"trial": t, "variant": v, "median_ms": m, "n": 10} for t, v, m in rows])
+
+
+def test_summarize_trials_pairs_the_speedup_within_each_trial():
+    """Eager is slow in trials 1 and 2 (a noisy host), the graph only in trial 1. Per trial the ratios are
+    2, 2, 5: the paired speedup is 2 (median), where the ratio of the overall medians would say 10/2 = 5.
+    Rows are shuffled: pairing goes by trial, not by row position."""
+    frame = _trial_frame([(2, "graph", 2.0), (0, "eager", 2.0), (1, "graph", 5.0), (1, "eager", 10.0),
+                          (0, "graph", 1.0), (2, "eager", 10.0)])
+    s = cg.summarize_trials(frame, "eager").set_index("variant")
+    g = s.loc["graph"]
+    assert g.speedup == pytest.approx(2.0)
+    assert g.speedup_p10 == pytest.approx(2.0) and g.speedup_p90 == pytest.approx(4.4)  # [2, 2, 5]
+    assert g.median_ms == pytest.approx(2.0) and g.p10_ms == pytest.approx(1.2) and g.p90_ms == pytest.approx(4.4)
+    assert g.trials == 3 and g.n == 30
+    e = s.loc["eager"]
+    assert e.median_ms == pytest.approx(10.0) and e.p10_ms == pytest.approx(3.6)  # across trials: [2, 10, 10]
+    assert (e.speedup, e.speedup_p10, e.speedup_p90) == (1.0, 1.0, 1.0)
+    assert list(s.index) == ["graph", "eager"]  # order of first appearance
+    assert cg.summarize_trials(frame).speedup.isna().all()  # no baseline: no speedups
+
+
+def test_summarize_trials_rejects_bad_input():
+    import pandas as pd
+
+    frame = _trial_frame([(0, "eager", 2.0), (0, "graph", 1.0)])
+    with pytest.raises(cg.InputError, match=r"baseline 'egaer' is not a variant .*\['eager', 'graph'\]"):
+        cg.summarize_trials(frame, "egaer")
+    with pytest.raises(cg.InputError, match="empty frame"):
+        cg.summarize_trials(frame.iloc[:0], "eager")
+    with pytest.raises(cg.InputError, match="needs interleaved_trials' frame with columns"):
+        cg.summarize_trials(frame.drop(columns="trial"), "eager")
+    with pytest.raises(cg.InputError, match="needs interleaved_trials' frame"):
+        cg.summarize_trials({"trial": [0]}, "eager")
+    with pytest.raises(cg.InputError, match="two rows for trial 0, variant 'eager'"):
+        cg.summarize_trials(pd.concat([frame, frame]), "eager")
+    with pytest.raises(cg.InputError, match="finite and > 0 ms"):
+        cg.summarize_trials(_trial_frame([(0, "eager", 2.0), (0, "graph", 0.0)]), "eager")

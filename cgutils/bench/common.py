@@ -20,13 +20,16 @@ class Options:
         workloads: names from :data:`cgutils.workloads.WORKLOADS`; ``None``: all.
         dtypes: ``"fp32"`` and/or ``"fp16"``.
         variants: speedup variants; ``None``: all of :data:`cgutils.bench.VARIANTS`.
-        budget_s: approximate timed seconds per row.
+        budget_s: approximate timed seconds per row (speedup suite: of eager per workload and dtype,
+            all trials together).
+        trials: interleaved trials per workload and dtype (speedup suite).
     """
 
     workloads: tuple[str, ...] | None = None
     dtypes: tuple[str, ...] = ("fp32", "fp16")
     variants: tuple[str, ...] | None = None
     budget_s: float = 2.0
+    trials: int = 7
 
 
 def iters_for(ms_per_iter: float, budget_s: float) -> int:

@@ -1,19 +1,22 @@
 """The speedup table: eager vs GraphRunner vs raw ``torch.cuda.graph`` vs ``torch.compile``.
 
 One run measures every variant of every workload side by side, so ratios are taken under the same
-conditions. Variants of the step that one timed iteration calls:
+conditions: per workload and dtype, every variant is set up first (capture, compilation), then all are
+timed in interleaved trials (:func:`cgutils.timing.interleaved_trials`), a shuffled order per trial, and
+each speedup is the median of per-trial ratios. Variants of the step that one timed iteration calls:
 
 * ``eager``: the PyTorch module as is.
 * ``graph_runner``: :class:`cgutils.GraphRunner` (copies inputs in, replays, clones outputs).
 * ``raw_graph``: a hand-written ``torch.cuda.graph`` capture per input shape; a call is ``copy_``
   into the static input and ``replay()``: the floor that any wrapper adds overhead to.
 * ``compile_ro``: ``torch.compile(mode="reduce-overhead")``, Inductor kernels replayed through CUDA
-  graph trees. Skipped where shapes change every step (GPT-2 full-recompute decoding).
+  graph trees. Not measured where shapes change every step (GPT-2 full-recompute decoding).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -22,9 +25,9 @@ import torch
 
 from .. import env
 from ..capture import GraphRunner, capture_graph
-from ..checks import require_cuda
+from ..checks import check_int, require_cuda
 from ..overhead import gpu_activity
-from ..timing import measure
+from ..timing import interleaved_trials, measure, summarize_trials
 from ..workloads import WORKLOADS, Built, get_workload
 from .common import Options, error_status, iters_for
 
@@ -73,7 +76,7 @@ def make_step(kind: str, built: Built, args: tuple = ()) -> Callable[..., Any] |
         return torch.cuda.make_graphed_callables(built.step, args)
     if kind == "compile_ro":
         if built.shapes_change:
-            return "skipped: input shape changes every step (one recompilation per length)"
+            return "skipped: not measured here (shapes change every step)"
         return torch.compile(built.step, mode="reduce-overhead")
     if kind == "graph_runner_compiled":
         return GraphRunner(built.step, compile=True)
@@ -83,141 +86,236 @@ def make_step(kind: str, built: Built, args: tuple = ()) -> Callable[..., Any] |
     raise ValueError(kind)
 
 
-def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, bar) -> list[dict]:
+TRIALS = Options.trials
+"""Default number of interleaved trials per workload and dtype (the CLI's ``--trials``)."""
+
+COLUMNS = ["workload", "dtype", "variant", "median_ms", "p10_ms", "p90_ms", "n", "trials", "setup_s", "speedup",
+           "speedup_p10", "speedup_p90", "gpu_ops", "forwards", "article_eager_ms", "article_graph_ms", "status",
+           "gpu"]
+"""Columns of :func:`speedup_table`, in order."""
+
+
+def trial_iters(ms_per_iter: float, budget_s: float, trials: int) -> int:
+    """Timed iterations per variant per trial: the :func:`~cgutils.bench.common.iters_for` budget (10 to
+    500 iterations at ``ms_per_iter`` ms) split evenly over ``trials``, at least 1 per trial."""
+    return max(1, math.ceil(iters_for(ms_per_iter, budget_s) / trials))
+
+
+def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, trials: int, bar) -> list[dict]:
     """Rows of the speedup table for one workload and dtype (see :func:`speedup_table`)."""
     built = wl.build(dtype, "cuda")
     inputs = built.inputs(0)
     with torch.no_grad():
         eager_ms = measure(lambda: built.iterate(built.step, inputs), warmup=3, iters=3).median_ms
         gpu_ops, _ = gpu_activity(lambda: built.iterate(built.step, inputs))
-    iters = iters_for(eager_ms, budget_s)
     common = {"workload": wl.name, "dtype": dtype, "gpu_ops": gpu_ops, "forwards": built.steps_per_iter,
               "article_eager_ms": wl.article_ms[0] if wl.article_ms else None,
               "article_graph_ms": wl.article_ms[1] if wl.article_ms else None,
               "gpu": torch.cuda.get_device_name(0)}
-    rows = []
+    rows = {v: {**common, "variant": v} for v in variants}
+    runs: dict[str, Callable[[], Any]] = {}
+    # Set-up, one variant after the other: capture or compilation happens here, never while timing.
+    # (compile_ro records its CUDA graph tree on a later call: in interleaved_trials' untimed warm-up.)
     for variant in variants:
-        bar.set_postfix_str(f"{wl.name} {dtype} {variant}")
-        row = {**common, "variant": variant}
+        bar.set_postfix_str(f"{wl.name} {dtype} {variant} set-up")
         if variant == "compile_ro":
-            torch._dynamo.reset()  # each compiled variant starts from a clean cache
-        step = make_step(variant, built)
-        if isinstance(step, str):
-            rows.append({**row, "status": step})
-            bar.update()
-            continue
+            # each compiled variant starts from a clean cache; resetting here, before any variant is
+            # timed, cannot throw away what another variant needs during the interleaved trials
+            torch._dynamo.reset()
         try:
+            step = make_step(variant, built)
+            if isinstance(step, str):
+                rows[variant]["status"] = step
+                continue
             with torch.no_grad():
                 t0 = time.perf_counter()
-                built.iterate(step, inputs)  # capture or compilation happens here
+                built.iterate(step, inputs)
                 torch.cuda.synchronize()
-                setup_s = time.perf_counter() - t0
-                t = measure(lambda step=step: built.iterate(step, inputs), warmup=5, iters=iters)
-            rows.append({**row, **t.as_dict(), "setup_s": setup_s, "status": "ok"})
+                rows[variant]["setup_s"] = time.perf_counter() - t0
+            runs[variant] = lambda step=step: built.iterate(step, inputs)
         except Exception as exc:  # one failing variant must not lose the rest of the table
-            rows.append({**row, "status": error_status(exc, 200)})
-        bar.update()
-    return rows
+            rows[variant]["status"] = error_status(exc, 200)
+    if runs:
+        bar.set_postfix_str(f"{wl.name} {dtype}: {trials} interleaved trials")
+        failed: dict[str, BaseException] = {}
+        with torch.no_grad():
+            frame = interleaved_trials(runs, trials=trials, iters=trial_iters(eager_ms, budget_s, trials),
+                                       warmup=5, failed=failed)
+        for variant, exc in failed.items():
+            rows[variant]["status"] = error_status(exc, 200)
+        if len(frame):
+            summary = summarize_trials(frame, "eager" if "eager" in set(frame.variant) else None)
+            for r in summary.to_dict("records"):
+                rows[r["variant"]].update({k: v for k, v in r.items() if k != "variant"}, status="ok")
+    bar.update(len(variants))
+    return list(rows.values())
 
 
 def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] = ("fp32", "fp16"),
-                  variants: Iterable[str] = VARIANTS, budget_s: float = 2.0, progress: bool = True):
+                  variants: Iterable[str] = VARIANTS, budget_s: float = 2.0, progress: bool = True,
+                  trials: int = TRIALS):
     """Measure every (workload, dtype, variant) at batch 1 and return one row per combination.
+
+    Per workload and dtype, every variant is set up first (its first call: capture or compilation,
+    timed as ``setup_s``); then all of them are timed together in ``trials`` interleaved trials
+    (:func:`cgutils.timing.interleaved_trials`: 5 untimed calls per variant first, then per trial one
+    untimed and the timed calls of each variant, in a shuffled order). A variant that fails in set-up or
+    in a trial gets an ``error: ...`` row; the others are still measured.
 
     Args:
         workloads: names from :data:`cgutils.workloads.WORKLOADS`; default all.
         dtypes: ``"fp32"`` and/or ``"fp16"``.
         variants: subset of :data:`VARIANTS`.
-        budget_s: approximate timed seconds per row; iterations are chosen from the eager latency
-            (10 to 500).
+        budget_s: approximate timed seconds of eager per workload and dtype: 10 to 500 timed eager
+            iterations, chosen from the eager latency and split evenly over the trials (at least 1 per
+            trial; :func:`trial_iters`). The graph variants take the same number of iterations.
         progress: show a tqdm progress bar.
+        trials: interleaved trials per workload and dtype (>= 1).
 
     Returns:
-        ``pandas.DataFrame`` with columns ``workload, dtype, variant, median_ms, p10_ms, p90_ms, n,
-        setup_s`` (first call: capture or compilation, s), ``speedup`` (eager median / this median,
-        same run), ``gpu_ops`` (GPU activities per iteration, eager), ``forwards`` (step calls per
-        iteration), ``article_eager_ms``,
-        ``article_graph_ms`` (source article, A100), ``status`` (``ok``, ``skipped: ...`` or
-        ``error: ...``), ``gpu``.
+        ``pandas.DataFrame`` with columns ``workload, dtype, variant``, ``median_ms`` (median across
+        trials of the per-trial median latency per iteration, ms), ``p10_ms``, ``p90_ms`` (10th and
+        90th percentile across trials of those per-trial medians, ms), ``n`` (timed iterations, all
+        trials), ``trials``, ``setup_s`` (first call: capture or compilation, s), ``speedup`` (median
+        across trials of eager's median / this variant's median in the same trial),
+        ``speedup_p10``, ``speedup_p90`` (10th / 90th percentile across trials of those ratios),
+        ``gpu_ops`` (GPU activities per iteration, eager), ``forwards`` (step calls per iteration),
+        ``article_eager_ms``, ``article_graph_ms`` (source article, A100), ``status`` (``ok``,
+        ``skipped: ...`` or ``error: ...``), ``gpu``. Without an ``eager`` variant the speedups are NaN.
 
     Raises:
+        InputError: ``trials`` is not an int >= 1.
         NoCudaError: without a CUDA device.
     """
     import pandas as pd
     from tqdm.auto import tqdm
 
+    check_int("trials", trials, minimum=1, why="interleaved trials per workload and dtype")
     require_cuda("speedup_table", "`python -m cgutils bench` shows the recorded table instead")
     names = list(workloads) if workloads is not None else list(WORKLOADS)
-    dtypes, variants = list(dtypes), list(variants)
+    dtypes, variants = list(dtypes), list(dict.fromkeys(variants))  # one row per variant
     rows: list[dict] = []
     with tqdm(total=len(names) * len(dtypes) * len(variants), disable=not progress,
               desc="speedup table") as bar:
         for name in names:
             for dtype in dtypes:
-                rows += _measure_workload(get_workload(name), dtype, variants, budget_s, bar)
+                rows += _measure_workload(get_workload(name), dtype, variants, budget_s, trials, bar)
                 gc.collect()  # free this model's weights and graphs before building the next
                 torch.cuda.empty_cache()
-    df = pd.DataFrame(rows)
-    eager = df[df.variant == "eager"].set_index(["workload", "dtype"])["median_ms"]
-    df["speedup"] = [eager.get((w, d), float("nan")) / m if m == m else float("nan")
-                     for w, d, m in zip(df.workload, df.dtype, df.get("median_ms", [float("nan")] * len(df)), strict=False)]
-    cols = ["workload", "dtype", "variant", "median_ms", "p10_ms", "p90_ms", "n", "setup_s", "speedup",
-            "gpu_ops", "forwards", "article_eager_ms", "article_graph_ms", "status", "gpu"]
-    return df.reindex(columns=cols)
+    return pd.DataFrame(rows).reindex(columns=COLUMNS)
+
+
+GRAPH_VARIANTS = ("graph_runner", "raw_graph", "compile_ro")
+"""The variants whose speedup over eager the summary shows."""
+
+
+def has_trial_ranges(df) -> bool:
+    """Whether a speedup table was measured in interleaved trials (it has ``trials``, ``speedup_p10``
+    and ``speedup_p90``). Tables recorded before then timed each variant in one block: no ranges."""
+    return {"trials", "speedup_p10", "speedup_p90"} <= set(df.columns) and bool(df["trials"].notna().any())
 
 
 def summary_table(df) -> Any:
     """Wide view of a speedup table: one row per workload and dtype, median ms per variant, and the
-    graph speedups; the source article's A100 figures alongside."""
+    graph speedups; the source article's A100 figures alongside.
+
+    For a table measured in interleaved trials (:func:`has_trial_ranges`), each variant's ms column
+    ``<v>`` is followed by ``<v>_p10`` and ``<v>_p90`` (10th / 90th percentile across trials of the
+    per-trial medians, ms); ``<v>_speedup`` is the paired speedup (median across trials of eager / ``v``
+    in the same trial) followed by ``<v>_speedup_p10`` and ``<v>_speedup_p90``; a last column
+    ``trials`` gives the fewest trials of the row's variants. For an older table, ``<v>_speedup`` is
+    eager's median / ``v``'s median and there are no range columns.
+    """
+    import pandas as pd
+
     ok = df[df.status == "ok"]
-    wide = ok.pivot_table(index=["workload", "dtype"], columns="variant", values="median_ms")
+    index = ["workload", "dtype"]
+    wide = ok.pivot_table(index=index, columns="variant", values="median_ms")
     wide = wide.reindex(columns=[v for v in VARIANTS if v in wide.columns])
-    out = wide.copy()
+    ranged = has_trial_ranges(df)
+
+    def pivot(col: str):
+        return ok.pivot_table(index=index, columns="variant", values=col).reindex(index=wide.index,
+                                                                                  columns=wide.columns)
+
+    if ranged:
+        out = pd.DataFrame(index=wide.index)
+        lo, hi = pivot("p10_ms"), pivot("p90_ms")
+        for v in wide.columns:
+            out[v], out[f"{v}_p10"], out[f"{v}_p90"] = wide[v], lo[v], hi[v]
+    else:
+        out = wide.copy()
     if "eager" in wide:
-        for v in ("graph_runner", "raw_graph", "compile_ro"):
-            if v in wide:
+        if ranged:
+            mid, lo, hi = pivot("speedup"), pivot("speedup_p10"), pivot("speedup_p90")
+        for v in GRAPH_VARIANTS:
+            if v not in wide:
+                continue
+            if ranged:
+                out[f"{v}_speedup"], out[f"{v}_speedup_p10"], out[f"{v}_speedup_p90"] = mid[v], lo[v], hi[v]
+            else:
                 out[f"{v}_speedup"] = wide["eager"] / wide[v]
     art = df.drop_duplicates(["workload", "dtype"]).set_index(["workload", "dtype"])
     out["article_a100_eager_ms"] = art["article_eager_ms"]
     out["article_a100_graph_ms"] = art["article_graph_ms"]
     out["article_speedup"] = art["article_eager_ms"] / art["article_graph_ms"]
     out["gpu_ops_per_forward"] = art["gpu_ops"] / art["forwards"]
+    if ranged:
+        out["trials"] = ok.groupby(index)["trials"].min()
     return out.reset_index()
 
 
 def markdown_table(df, prov: dict) -> str:
     """The README's results table: per workload and dtype, eager and graph latencies (ms), speedups,
-    and the source article's A100 figures; followed by a provenance line from ``prov``."""
+    and the source article's A100 figures; followed by a provenance line from ``prov``.
+
+    For a table measured in interleaved trials, eager ms and the GraphRunner speedup show their range
+    across trials, e.g. ``8.77× (8.61–8.90)``, and the last line says how many trials; an older table
+    (no ``trials`` column) gives the table it always gave.
+    """
     import pandas as pd
 
     s = summary_table(df)
+    ranged = has_trial_ranges(df)
+
+    def num(v):
+        return f"{v:.2f}"
 
     def ms(v):
-        return "n/a" if v != v else f"{v:.2f}"
+        return "n/a" if v != v else num(v)
 
     def x(v):
         return "n/a" if v != v else f"{v:.2f}×"
+
+    def spread(r, col):  # " (p10–p90)" across trials, or nothing
+        lo, hi = r.get(f"{col}_p10", float("nan")), r.get(f"{col}_p90", float("nan"))
+        return f" ({num(lo)}–{num(hi)})" if ranged and lo == lo and hi == hi else ""
 
     rows = []
     for _, r in s.iterrows():
         rows.append({
             "workload": r["workload"], "dtype": r["dtype"],
-            "eager ms": ms(r.get("eager", float("nan"))),
+            "eager ms": ms(r.get("eager", float("nan"))) + spread(r, "eager"),
             "GraphRunner ms": ms(r.get("graph_runner", float("nan"))),
-            "speedup": x(r.get("graph_runner_speedup", float("nan"))),
+            "speedup": x(r.get("graph_runner_speedup", float("nan"))) + spread(r, "graph_runner_speedup"),
             "raw graph ms": ms(r.get("raw_graph", float("nan"))),
             "compile (reduce-overhead) ms": ms(r.get("compile_ro", float("nan"))),
             "article A100": f"{ms(r['article_a100_eager_ms'])} → {ms(r['article_a100_graph_ms'])} ms "
                             f"({x(r['article_speedup'])})",
         })
     table = pd.DataFrame(rows).to_markdown(index=False)
-    return f"{table}\n\nMeasured on {env.describe(prov)}; batch 1, median of CUDA-event timings."
+    if not ranged:
+        return f"{table}\n\nMeasured on {env.describe(prov)}; batch 1, median of CUDA-event timings."
+    counts = sorted({int(t) for t in df.loc[df.status == "ok", "trials"].dropna()})
+    n = f"{counts[0]}" if counts[0] == counts[-1] else f"{counts[0]}–{counts[-1]}"
+    return (f"{table}\n\nMeasured on {env.describe(prov)}; batch 1, CUDA-event timings; median of {n} "
+            "interleaved trials; range p10–p90 across trials.")
 
 
 def measure_suite(opts: Options) -> tuple:
     """The suite's tables, in the registry's order: ``(speedup,)``."""
     variants = opts.variants if opts.variants is not None else VARIANTS
-    return (speedup_table(opts.workloads, opts.dtypes, variants, budget_s=opts.budget_s),)
+    return (speedup_table(opts.workloads, opts.dtypes, variants, budget_s=opts.budget_s, trials=opts.trials),)
 
 
 def report(frames: Mapping[str, Any], source: str, prov: dict, markdown: bool) -> None:
@@ -229,8 +327,14 @@ def report(frames: Mapping[str, Any], source: str, prov: dict, markdown: bool) -
     if markdown:
         print(markdown_table(df, prov))
         return
-    print("Median latency per iteration in ms (eager, graph_runner, raw_graph, compile_ro); speedups are "
-          "eager / variant from the same run; article_* are the source article's A100 figures.")
+    if has_trial_ranges(df):
+        print("Median latency per iteration in ms (eager, graph_runner, raw_graph, compile_ro): the median "
+              "across interleaved trials of each trial's median, *_p10/*_p90 its range across trials; speedups "
+              "are paired: the median across trials of eager / variant in the same trial; article_* are the "
+              "source article's A100 figures.")
+    else:
+        print("Median latency per iteration in ms (eager, graph_runner, raw_graph, compile_ro); speedups are "
+              "eager / variant from the same run; article_* are the source article's A100 figures.")
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.precision", 3):
         print(summary_table(df).to_string(index=False))
     for _, r in df[df.status != "ok"].iterrows():
