@@ -11,6 +11,7 @@ from .bench import (
     VARIANT_LABELS,
     batch_sweep,
     decode_step_times,
+    eager_reference,
     generation_table,
     graph_methods_table,
     memory_table,
@@ -66,7 +67,7 @@ __all__ = [
     "range_overhead_us", "Trace", "compare", "load_trace", "profile", "gpu_activity", "runtime_calls",
     # workloads, generation, benchmark suites
     "WORKLOADS", "get_workload", "GreedyDecoder", "StaticKVState", "hf_generate", "SUITES", "speedup_table",
-    "summary_table", "graph_methods_table", "method_targets", "memory_table", "validation_cost",
+    "summary_table", "eager_reference", "graph_methods_table", "method_targets", "memory_table", "validation_cost",
     "generation_table", "decode_step_times", "batch_sweep", "VARIANT_LABELS", "METHOD_LABELS", "DECODER_LABELS",
     # results store, recorded notebooks, environment
     "ResultsStore", "current_store", "check_recordings", "setup_notebook", "mode", "provenance",

@@ -17,11 +17,21 @@ from .generation import DECODER_LABELS, DECODERS, batch_sweep, decode_step_times
 from .memory import MEMORY_BUCKETS, MEMORY_SEQS, SETUP_LABELS, memory_table, validation_cost
 from .methods import METHOD_LABELS, METHODS, graph_methods_table, method_targets
 from .registry import DEFAULT_SUITE, SUITES, Suite
-from .speedup import VARIANT_LABELS, VARIANTS, RawGraphs, make_step, markdown_table, speedup_table, summary_table
+from .speedup import (
+    VARIANT_LABELS,
+    VARIANTS,
+    RawGraphs,
+    eager_reference,
+    make_step,
+    markdown_table,
+    speedup_table,
+    summary_table,
+)
 
 __all__ = [
     "SUITES", "DEFAULT_SUITE", "Suite", "Options",
     "VARIANTS", "VARIANT_LABELS", "RawGraphs", "make_step", "speedup_table", "summary_table", "markdown_table",
+    "eager_reference",
     "METHODS", "METHOD_LABELS", "graph_methods_table", "method_targets",
     "DECODERS", "DECODER_LABELS", "generation_table", "decode_step_times", "batch_sweep",
     "MEMORY_SEQS", "MEMORY_BUCKETS", "SETUP_LABELS", "memory_table", "validation_cost",

@@ -26,6 +26,7 @@ import torch
 from .. import env
 from ..capture import GraphRunner, capture_graph
 from ..checks import check_int, require_cuda
+from ..errors import InputError
 from ..overhead import gpu_activity
 from ..timing import interleaved_trials, measure, summarize_trials
 from ..workloads import WORKLOADS, Built, get_workload
@@ -75,8 +76,8 @@ def make_step(kind: str, built: Built, args: tuple = ()) -> Callable[..., Any] |
         built.model.requires_grad_(False)  # inference: no backward graph to capture
         return torch.cuda.make_graphed_callables(built.step, args)
     if kind == "compile_ro":
-        if built.shapes_change:
-            return "skipped: not measured here (shapes change every step)"
+        # Also where shapes change every step (GPT-2 without a KV cache): what reduce-overhead does with a
+        # new shape (recompile, record one more graph) is measured, not assumed; notebook 02 shows it.
         return torch.compile(built.step, mode="reduce-overhead")
     if kind == "graph_runner_compiled":
         return GraphRunner(built.step, compile=True)
@@ -101,7 +102,8 @@ def trial_iters(ms_per_iter: float, budget_s: float, trials: int) -> int:
     return max(1, math.ceil(iters_for(ms_per_iter, budget_s) / trials))
 
 
-def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, trials: int, bar) -> list[dict]:
+def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, trials: int, bar,
+                      trial_log: list | None = None) -> list[dict]:
     """Rows of the speedup table for one workload and dtype (see :func:`speedup_table`)."""
     built = wl.build(dtype, "cuda")
     inputs = built.inputs(0)
@@ -143,6 +145,8 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, tria
                                        warmup=5, failed=failed)
         for variant, exc in failed.items():
             rows[variant]["status"] = error_status(exc, 200)
+        if trial_log is not None:
+            trial_log.append(frame.assign(workload=wl.name, dtype=dtype))
         if len(frame):
             summary = summarize_trials(frame, "eager" if "eager" in set(frame.variant) else None)
             for r in summary.to_dict("records"):
@@ -153,7 +157,7 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, tria
 
 def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] = ("fp32", "fp16"),
                   variants: Iterable[str] = VARIANTS, budget_s: float = 2.0, progress: bool = True,
-                  trials: int = TRIALS):
+                  trials: int = TRIALS, trial_log: list | None = None):
     """Measure every (workload, dtype, variant) at batch 1 and return one row per combination.
 
     Per workload and dtype, every variant is set up first (its first call: capture or compilation,
@@ -171,6 +175,9 @@ def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] 
             trial; :func:`trial_iters`). The graph variants take the same number of iterations.
         progress: show a tqdm progress bar.
         trials: interleaved trials per workload and dtype (>= 1).
+        trial_log: if given, one frame per workload and dtype is appended to it: the per-trial rows of
+            :func:`cgutils.timing.interleaved_trials` with ``workload`` and ``dtype`` columns added (how
+            much each variant moved from trial to trial).
 
     Returns:
         ``pandas.DataFrame`` with columns ``workload, dtype, variant``, ``median_ms`` (median across
@@ -199,10 +206,35 @@ def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] 
               desc="speedup table") as bar:
         for name in names:
             for dtype in dtypes:
-                rows += _measure_workload(get_workload(name), dtype, variants, budget_s, trials, bar)
+                rows += _measure_workload(get_workload(name), dtype, variants, budget_s, trials, bar, trial_log)
                 gc.collect()  # free this model's weights and graphs before building the next
                 torch.cuda.empty_cache()
     return pd.DataFrame(rows).reindex(columns=COLUMNS)
+
+
+def eager_reference(table, workload: str, dtype: str) -> dict:
+    """The suite's one eager figure for a configuration: its row of a speedup table (as recorded by
+    notebook 05), so that other notebooks put their own single measurements next to it.
+
+    Args:
+        table: a :func:`speedup_table` frame.
+        workload, dtype: e.g. ``"bert-base-seq128"``, ``"fp16"``.
+
+    Returns:
+        ``{"median_ms", "p10_ms", "p90_ms", "trials"}`` (``trials`` is NaN for a table measured before
+        interleaved trials; its p10/p90 are then over calls of one block).
+
+    Raises:
+        InputError: the table has no ``ok`` eager row for that workload and dtype.
+    """
+    rows = table[(table.workload == workload) & (table.dtype == dtype) & (table.variant == "eager")
+                 & (table.status == "ok")]
+    if rows.empty:
+        raise InputError(f"no eager row for {workload} {dtype} in the speedup table; its workloads: "
+                         f"{sorted(set(table.workload))}, dtypes: {sorted(set(table.dtype))}")
+    r = rows.iloc[0]
+    return {"median_ms": float(r.median_ms), "p10_ms": float(r.p10_ms), "p90_ms": float(r.p90_ms),
+            "trials": float(r.get("trials", float("nan")))}
 
 
 GRAPH_VARIANTS = ("graph_runner", "raw_graph", "compile_ro")
