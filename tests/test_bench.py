@@ -9,6 +9,7 @@ from pathlib import Path
 import matplotlib
 import pandas as pd
 import pytest
+from types import SimpleNamespace
 import torch
 
 import cgutils.bench
@@ -271,8 +272,13 @@ def test_speedup_table_sets_up_every_variant_then_times_them_interleaved(monkeyp
     monkeypatch.setattr(torch._dynamo, "reset", lambda: log.append("reset"))
 
     df = speedup.speedup_table(["w"], ["fp16"], progress=False, trials=3, budget_s=0.01)
-    assert log[:5] == ["eager", "graph_runner", "raw_graph", "reset", "compile_ro"]  # set-up, in order
+    assert log[:3] == ["eager", "graph_runner", "raw_graph"]  # set-up, in order
+    # compile_ro in a second phase, after the hand-captured graphs were timed (and freed): eager set up again
+    # as its baseline, the dynamo reset, then compile; nothing of the first phase runs after the reset
     assert log.count("reset") == 1
+    reset = log.index("reset")
+    assert log[reset - 1:reset + 2] == ["eager", "reset", "compile_ro"]
+    assert not {"graph_runner", "raw_graph"} & set(log[reset:])
     assert list(df.columns) == speedup.COLUMNS
     r = df.set_index("variant")
     assert r.loc["raw_graph", "status"] == "error: RuntimeError: replay broke"
@@ -284,7 +290,8 @@ def test_speedup_table_sets_up_every_variant_then_times_them_interleaved(monkeyp
     assert g.speedup_p10 <= g.speedup <= g.speedup_p90 and g.setup_s >= 0
     # eager estimated at 5 ms, budget 0.01 s: 10 timed iterations (the floor) over 3 trials -> 4 per trial
     assert e.n == g.n == 12
-    assert counts["eager"] == counts["graph_runner"] == 1 + 5 + 3 * (1 + 4)  # set-up, warm-up, trials
+    assert counts["graph_runner"] == 1 + 5 + 3 * (1 + 4)  # set-up, warm-up, trials
+    assert counts["eager"] == counts["graph_runner"] + 1  # + its set-up call in phase 2 (compile then failed)
     assert counts["raw_graph"] == 21  # failed in the last trial: no partial trials in its row
     assert pd.isna(r.loc["raw_graph", "median_ms"])
 
@@ -295,3 +302,49 @@ def test_speedup_table_checks_trials_first():
 
     with pytest.raises(InputError, match="trials must be an int >= 1"):
         speedup_table(trials=0)
+
+
+def test_compile_phase_starts_after_the_other_graphs_are_freed(monkeypatch):
+    """With GraphRunner's and the raw graphs alive while torch.compile's graph trees were set up, freeing them
+    ended in 'CUDA error: unspecified launch failure' on the H200 (a GraphRunner of another model freed
+    before). compile_ro is now set up only once the first phase's steps are gone."""
+    import weakref
+
+    from cgutils.bench import speedup
+    from cgutils.timing import Timing
+    from cgutils.workloads import Built
+
+    alive_at_compile = []
+    refs = {}
+
+    class Step:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def __call__(self, x):
+            return x
+
+    def make_step(kind, built):
+        if kind == "compile_ro":
+            alive_at_compile.extend(k for k, r in refs.items() if k != "eager" and r() is not None)
+        step = Step(kind)
+        refs[kind] = weakref.ref(step)
+        return step
+
+    built = Built(model=torch.nn.Identity(), step=lambda x: x, inputs=lambda seed: (torch.zeros(1),),
+                  iterate=lambda impl, inputs: impl(*inputs))
+    workload = SimpleNamespace(name="w", article_ms=None, build=lambda dtype, device: built)
+    monkeypatch.setattr(speedup, "require_cuda", lambda *a: None)
+    monkeypatch.setattr(speedup, "get_workload", lambda name: workload)
+    monkeypatch.setattr(speedup, "gpu_activity", lambda run: (7, 0.0))
+    monkeypatch.setattr(speedup, "measure", lambda *a, **k: Timing(5.0, 5.0, 5.0, 3, "cuda_event"))
+    monkeypatch.setattr(speedup, "make_step", make_step)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: None)
+    log = []
+    df = speedup.speedup_table(["w"], ["fp16"], progress=False, trials=2, budget_s=0.01, trial_log=log)
+    assert alive_at_compile == []
+    assert set(df.status) == {"ok"}
+    assert sorted(pd.concat(log).groupby("phase").variant.unique().map(sorted).map(tuple)) == [
+        ("compile_ro", "eager"), ("eager", "graph_runner", "raw_graph")]
