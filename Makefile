@@ -32,9 +32,14 @@ run: $(DEPS)
 test: $(DEPS)
 	$(PY) -m pytest
 
-## lab: JupyterLab on notebooks/
+# Jupyter refuses to start as root (containers, CI-like boxes) unless told so; only then is it passed.
+# Lazy (=): `id` runs only for `make lab`.
+ALLOW_ROOT = $(if $(filter 0,$(shell id -u)),--allow-root)
+
+## lab: JupyterLab on notebooks/ (also as root); Run All works without a GPU (recorded mode)
 lab: $(DEPS)
-	$(PY) -m jupyter lab notebooks/
+	@echo "With a CUDA GPU the cells run live. Without one, Run All works too: cells that need CUDA show the output recorded on a real GPU, under a banner."
+	$(PY) -m jupyter lab $(ALLOW_ROOT) notebooks/
 
 ## record: CUDA only: re-measure, refresh results/<gpu>/ and the recorded cell outputs
 record: $(DEPS)
