@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -54,9 +54,14 @@ def _free_tool_id(monitoring) -> int | None:
 
 
 @contextmanager
-def code_used(package: Path = PACKAGE_DIR) -> Iterator[dict[str, str]]:
+def code_used(package: Path = PACKAGE_DIR, ignore: Iterable[Path | str] = ()) -> Iterator[dict[str, str]]:
     """Collect the files of ``package`` (default ``cgutils``) that run inside the ``with`` block, with
     their hashes.
+
+    Args:
+        package: the package folder whose files are collected.
+        ignore: files never collected: the recording machinery itself, whose hooks (the stdout tee, the
+            display hook) run inside the block without producing what the cell shows.
 
     Yields:
         a dict, filled when the block ends: ``{"cgutils/<path>.py": hash}`` of each package file whose
@@ -64,20 +69,22 @@ def code_used(package: Path = PACKAGE_DIR) -> Iterator[dict[str, str]]:
         ``sys.monitoring`` tool slot is taken).
     """
     used: dict[str, str] = {}
+    skip = {str(Path(f).resolve()) for f in ignore}
     monitoring = getattr(sys, "monitoring", None)
     tool = _free_tool_id(monitoring) if monitoring is not None else None
     if tool is None:
         try:
             yield used
         finally:
-            used.update(library_hashes(package))
+            used.update({p: h for p, h in library_hashes(package).items()
+                         if str((package.parent / p).resolve()) not in skip})
         return
 
     prefix = str(package) + "/"
     files: set[str] = set()
 
     def on_start(code, offset):
-        if code.co_filename.startswith(prefix):
+        if code.co_filename.startswith(prefix) and code.co_filename not in skip:
             files.add(code.co_filename)
         return monitoring.DISABLE  # one callback per function: timed loops are not slowed
 

@@ -227,7 +227,8 @@ def _execute(shell, cell: str) -> None:
 def _run_and_record(shell, c: _Cell) -> None:
     """Run ``c`` for real, save its ``--save`` variables to the live store and, when recording, the cell."""
     failure: BaseException | None = None
-    with _captured_outputs(shell) as events, code_used() as library:
+    # this module's hooks (the stdout tee, the display hook) run inside the cell: not the cell's library code
+    with _captured_outputs(shell) as events, code_used(ignore=[__file__]) as library:
         try:
             _execute(shell, c.body)
         except Exception as exc:

@@ -43,3 +43,12 @@ def test_changed_files_sees_edits_and_deletions(tmp_path):
     assert libcode.changed_files(used, pkg) == ["demo_pkg/used.py"]
     (pkg / "used.py").unlink()
     assert libcode.changed_files(used, pkg) == ["demo_pkg/used.py"]
+
+
+def test_ignored_files_are_never_collected(tmp_path):
+    """The recording machinery's own hooks (recorded.py's stdout tee) ran inside every cell, so every recording
+    listed recorded.py and any edit to it would have called every cell stale."""
+    pkg, used_mod = _package(tmp_path)
+    with libcode.code_used(pkg, ignore=[pkg / "used.py"]) as used:
+        used_mod.f()
+    assert "demo_pkg/used.py" not in used

@@ -154,6 +154,7 @@ def test_live_cell_records_the_library_files_it_ran(gpu, shell):
     rec = gpu.load_cell("01_demo", "lib")
     assert rec["library"]["cgutils/checks.py"] == libcode.file_hash(libcode.PACKAGE_DIR / "checks.py")
     assert libcode.changed_files(rec["library"]) == []
+    assert "cgutils/recorded.py" not in rec["library"]  # the magic's own hooks are not the cell's code
 
 
 def test_library_change_is_reported_by_check_and_banner(gpu, shell, monkeypatch, tmp_path):
