@@ -22,6 +22,24 @@ from .bench import DEFAULT_SUITE, SUITES, VARIANTS, Options, Suite
 from .errors import CgutilsError
 
 
+def _at_least(minimum: float, kind: type):
+    """An argparse ``type`` that rejects values below ``minimum`` at parse time, with the flag's name."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if value < minimum or (kind is float and value == minimum):  # a float bound is exclusive
+            raise argparse.ArgumentTypeError(f"must be {'>=' if kind is int else '>'} {minimum}, got {text}")
+        return value
+    return parse
+
+
+def _stems(names: list[str] | None) -> list[str] | None:
+    """Notebook names as file stems: ``01_launch_overhead.ipynb`` and ``notebooks/01_launch_overhead`` work too."""
+    return [Path(n).name.removesuffix(".ipynb") for n in names] if names else None
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from .store import ResultsStore
 
@@ -83,13 +101,21 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     if args.check:
         statuses = check_recordings()
+        stems = _stems(args.notebooks)
+        if stems:
+            unknown = sorted(set(stems) - {st.notebook for st in statuses})
+            if unknown:
+                print(f"error: no recorded cells in notebook(s) {', '.join(unknown)}; give file stems such as "
+                      f"01_launch_overhead", file=sys.stderr)
+                return 1
+            statuses = [st for st in statuses if st.notebook in stems]
         for s in statuses:
             print(f"{s.status:8s} {s.notebook} / {s.key}" + (f": {s.detail}" if s.detail and args.verbose else ""))
         bad = [s for s in statuses if s.status != "ok"]
         counts = ", ".join(f"{sum(s.status == k for s in bad)} {k}" for k in ("stale", "library", "missing")
                            if any(s.status == k for s in bad))
         print(f"{len(statuses) - len(bad)} of {len(statuses)} recorded cells are current"
-              + (f" ({counts}; `--verbose` says why)." if bad else "."))
+              + (f" ({counts}" + ("" if args.verbose else "; `--verbose` says why") + ")." if bad else "."))
         return 1 if bad else 0
     if not env.cuda_available():
         print("record needs a CUDA GPU (none visible). Recorded mode needs no re-recording: "
@@ -116,6 +142,7 @@ def _execute_notebooks(stems: list[str] | None, timeout: int, desc: str) -> int:
     nb_dir = env.REPO_ROOT / "notebooks"
     out_dir = env.REPO_ROOT / "build" / "notebooks"
     out_dir.mkdir(parents=True, exist_ok=True)
+    stems = _stems(stems)
     paths = [nb_dir / f"{n}.ipynb" for n in stems] if stems else sorted(nb_dir.glob("*.ipynb"))
     missing = [p.name for p in paths if not p.exists()]
     if missing:
@@ -171,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None, help="speedup suite only")
     b.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "fp16"])
     b.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    b.add_argument("--budget", type=float, default=2.0, help="timed seconds per row (default 2)")
-    b.add_argument("--trials", type=int, default=Options.trials,
+    b.add_argument("--budget", type=_at_least(0, float), default=2.0, help="timed seconds per row (default 2)")
+    b.add_argument("--trials", type=_at_least(1, int), default=Options.trials,
                    help=f"interleaved trials per workload and dtype, speedup suite only (default {Options.trials})")
     b.add_argument("--out", help="folder for the CSV tables (default: the live store, build/live/<gpu>/)")
     b.add_argument("--show", action="store_true", help="print the latest table, do not measure")
@@ -180,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="print markdown: the README's table (speedup), docs/pitfalls.md's (pitfalls), else each table")
     b.set_defaults(func=cmd_bench)
     r = sub.add_parser("record", help="re-record notebooks on a GPU, or --check recordings")
-    r.add_argument("--check", action="store_true")
-    r.add_argument("--verbose", "-v", action="store_true")
+    r.add_argument("--check", action="store_true",
+                   help="do not record: report cells that are stale, ran changed library code, or are missing")
+    r.add_argument("--verbose", "-v", action="store_true", help="with --check: say why each cell is not current")
     r.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
     r.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
     r.set_defaults(func=cmd_record)

@@ -380,14 +380,14 @@ def trial_spread(trials, variants=("eager", "graph_runner"), title: str = ""):
     df["config"] = df.workload + "\n" + df.dtype
     df["deviation_pct"] = 100 * (df.median_ms / df.groupby(["config", "variant"]).median_ms.transform("median") - 1)
     configs = list(dict.fromkeys(df.config))
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(configs)), 3.8))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(configs)), 4.2))
     width = 0.8 / len(variants)
     for k, v in enumerate(variants):
         d = df[df.variant == v]
         x = np.array([configs.index(c) for c in d.config]) + (k - (len(variants) - 1) / 2) * width
         ax.scatter(x, d.deviation_pct, s=14, color=COLORS.get(v, "#333"), label=_label(v), alpha=0.8)
     ax.axhline(0, color="#444", lw=0.8)
-    ax.set_xticks(range(len(configs)), configs, fontsize=7)
+    ax.set_xticks(range(len(configs)), configs, fontsize=7, rotation=30, ha="right")  # long names overlapped flat
     ax.set_ylabel("trial median vs median of trials (%)")
     ax.legend(fontsize=8)
     return _finish(fig, ax, title)

@@ -9,6 +9,7 @@ import sys
 import pandas as pd
 import pytest
 
+from cgutils.__main__ import main
 from cgutils.bench import SUITES
 from cgutils.recorded import ResultsStore
 
@@ -144,3 +145,22 @@ def test_live_run_passes_the_flags_and_writes_every_table(tmp_results, tmp_path,
     printed = capsys.readouterr().out
     assert f"wrote {out / 'first.csv'}" in printed
     assert "REPORT ['first', 'second'] measured now on Fake GPU" in printed
+
+
+@pytest.mark.parametrize("flags, message", [(["--trials", "0"], "--trials: must be >= 1"),
+                                            (["--budget", "0"], "--budget: must be > 0"),
+                                            (["--trials", "x"], "--trials: expected an integer")])
+def test_bench_rejects_bad_numbers_before_anything_runs(flags, message, capsys):
+    """`bench --trials 0` and `--budget 0` were accepted silently on a CPU machine."""
+    with pytest.raises(SystemExit):
+        main(["bench", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_record_check_honours_notebooks(capsys):
+    """`record --check --notebooks X` checked every notebook and accepted names that do not exist."""
+    assert main(["record", "--check", "--notebooks", "01_launch_overhead.ipynb"]) == 0
+    out = capsys.readouterr().out
+    assert "01_launch_overhead" in out and "02_capture" not in out
+    assert main(["record", "--check", "--notebooks", "nope"]) == 1
+    assert "no recorded cells in notebook(s) nope" in capsys.readouterr().err
