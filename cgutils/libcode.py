@@ -41,8 +41,8 @@ def library_hashes(package: Path = PACKAGE_DIR) -> dict[str, str]:
 def changed_files(recorded: dict[str, str], package: Path = PACKAGE_DIR) -> list[str]:
     """Files of ``recorded`` (path -> hash, as :func:`code_used` filled it) whose content differs now or
     that no longer exist, sorted."""
-    now = library_hashes(package)
-    return sorted(p for p, h in recorded.items() if now.get(p) != h)
+    root = package.parent  # hash only the recorded files, not the whole package, once per banner and per check
+    return sorted(p for p, h in recorded.items() if not (root / p).is_file() or file_hash(root / p) != h)
 
 
 def _free_tool_id(monitoring) -> int | None:
