@@ -24,9 +24,16 @@ from .capture import (
     CudaBackend,
     GraphInfo,
     GraphRunner,
+    NodeAttribution,
+    PiecewiseGraph,
     RunnerStats,
     capture_graph,
     graph_node_types,
+    node_counts,
+    node_table,
+    node_times,
+    time_by_module,
+    to_dot,
     max_rel_error,
     pool_reserved_bytes,
     reset_rng_after_failed_capture,
@@ -37,6 +44,7 @@ from .env import mode, provenance
 from .errors import (
     CaptureError,
     CgutilsError,
+    DependencyError,
     InputError,
     NoCudaError,
     RecordedCellError,
@@ -57,10 +65,12 @@ __all__ = [
     # capture and replay
     "GraphRunner", "RunnerStats", "GraphInfo", "CudaBackend", "capture_graph", "pool_reserved_bytes",
     "reset_rng_after_failed_capture", "graph_node_types", "max_rel_error", "validate_replay",
+    # inside the graph, piecewise capture
+    "node_table", "node_counts", "node_times", "time_by_module", "to_dot", "NodeAttribution", "PiecewiseGraph",
     # diagnosis and the pitfall catalogue
     "explain", "find_sync_points", "user_code", "SyncPoint", "SyncRecorder", "PITFALLS", "DropoutNet", "Scaled",
     # errors
-    "CaptureError", "CgutilsError", "InputError", "NoCudaError", "RecordingError", "StaleRecordingError",
+    "CaptureError", "CgutilsError", "DependencyError", "InputError", "NoCudaError", "RecordingError", "StaleRecordingError",
     "RecordedCellError", "TraceFormatError",
     # timing, annotation, traces, launch overhead
     "Timing", "device_sync", "measure", "interleaved_trials", "summarize_trials", "nvtx_range", "annotate_modules",

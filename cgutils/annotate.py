@@ -44,6 +44,11 @@ def _pop() -> None:
         torch.cuda.nvtx.range_pop()
 
 
+# Objects told when a range opens or closes (:class:`cgutils.capture.inspect.NodeAttribution` while it
+# watches a capture): they call range_enter(name) / range_exit(). Empty outside such a capture.
+range_listeners: list[Any] = []
+
+
 class nvtx_range(ContextDecorator):  # noqa: N801 - reads like the nvtx/torch functions it pairs
     """A named range seen by both Nsight Systems (NVTX) and torch.profiler (``record_function``).
 
@@ -71,6 +76,8 @@ class nvtx_range(ContextDecorator):  # noqa: N801 - reads like the nvtx/torch fu
         self._stack: list[tuple[Any, bool]] = []
 
     def __enter__(self) -> nvtx_range:
+        for listener in range_listeners:
+            listener.range_enter(self.name)
         rf = torch.profiler.record_function(self.name)
         rf.__enter__()
         self._stack.append((rf, _push(self.name, self.color)))
@@ -81,6 +88,8 @@ class nvtx_range(ContextDecorator):  # noqa: N801 - reads like the nvtx/torch fu
         if pushed:
             _pop()
         rf.__exit__(*exc)
+        for listener in range_listeners:
+            listener.range_exit()
 
 
 class ModuleAnnotations:

@@ -218,6 +218,28 @@ def _user_frame(stack: list[traceback.FrameSummary],
     return None
 
 
+def failure_site(exc: BaseException, user_files: UserFiles | None = None) -> SyncPoint | None:
+    """Where an error was raised in the user's code: the innermost frame of ``exc``'s traceback in the
+    user's files (as for :func:`find_sync_points`: ``user_files``, else an enclosing :func:`user_code`,
+    else every file outside torch, the standard library and cgutils), as a :class:`SyncPoint` whose ``op``
+    is the exception type; ``None`` if no such frame. For a failed capture this is the line that made the
+    call CUDA refused, which an eager rerun cannot tell apart from syncs that happen only when not capturing.
+
+    The chain of ``__cause__`` / ``__context__`` is followed to the first error: ``torch.cuda.graph``'s exit
+    ends the capture, and that raises an error of its own ("operation failed due to a previous error during
+    capture") with the one from the user's line as its context."""
+    files = _user_file_set(user_files)
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain and len(chain) < 16:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for e in reversed(chain):  # the first error first
+        fr = _user_frame(traceback.extract_tb(e.__traceback__), files)
+        if fr is not None:
+            return SyncPoint(type(e).__name__, fr.filename, fr.lineno or 0, (fr.line or "").strip(), fr.name)
+    return None
+
+
 class _OpTracker(torch.overrides.TorchFunctionMode):
     """Remembers the outermost torch function being called, to name the op that synchronised."""
 

@@ -51,6 +51,10 @@ class StaleRecordingError(RecordingError):
     """A notebook cell changed since its outputs were recorded on a GPU: re-record with ``make record``."""
 
 
+class DependencyError(CgutilsError, ImportError):
+    """An optional package that this feature needs is not installed: the message names it and how to install it."""
+
+
 class NoCudaError(CgutilsError, RuntimeError):
     """The operation needs a CUDA device and none is visible."""
 

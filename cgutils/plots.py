@@ -391,3 +391,18 @@ def trial_spread(trials, variants=("eager", "graph_runner"), title: str = ""):
     ax.set_ylabel("trial median vs median of trials (%)")
     ax.legend(fontsize=8)
     return _finish(fig, ax, title)
+
+
+def barh(values, xlabel: str, title: str = "", errors=None, color: str = "#76b900"):
+    """Horizontal bars, one per entry of ``values`` (a ``pandas.Series``; its index labels the bars, first on
+    top), with optional ``errors`` (``[below, above]`` arrays, e.g. a p10–p90 range) and values printed at the
+    bars' ends."""
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(values) + 1.4))
+    y = range(len(values))[::-1]
+    ax.barh(list(y), list(values.values), xerr=errors, color=color, ecolor="#444", capsize=3)
+    ax.set_yticks(list(y), [str(i) for i in values.index], fontsize=8)
+    for yi, v in zip(y, values.values, strict=True):
+        ax.text(v, yi, f" {v:.3g}", va="center", fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.margins(x=0.15)
+    return _finish(fig, ax, title)

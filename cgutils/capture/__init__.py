@@ -6,15 +6,27 @@
 - :mod:`.graph`: warm-up stream, capture, RNG/autocast hygiene, pool bytes; :class:`CudaBackend`.
 - :mod:`.buckets`: the bucket policy and the learned output cuts (shared with ``generation``).
 - :mod:`.stats`: what a runner has captured and replayed.
-- :mod:`.inspect`: what a captured graph holds.
+- :mod:`.inspect`: what a captured graph holds: node tables, module attribution, GPU time per node.
+- :mod:`.piecewise`: graph pieces around modules that must run eagerly.
 - :mod:`.runner`: :class:`GraphRunner`, which only coordinates.
 """
 
 from .buckets import Buckets, pick_bucket
 from .compare import max_rel_error, validate_replay
 from .graph import CudaBackend, capture_graph, pool_reserved_bytes, reset_rng_after_failed_capture
-from .inspect import graph_node_types
+from .inspect import (
+    NODE_COLUMNS,
+    NodeAttribution,
+    graph_node_types,
+    kernel_family,
+    node_counts,
+    node_table,
+    node_times,
+    time_by_module,
+    to_dot,
+)
 from .nest import tree_leaves, tree_map
+from .piecewise import Break, BreakPlan, PiecewiseGraph
 from .runner import GraphRunner
 from .signature import ArgSpec, Call, bind_names, check_inputs
 from .stats import GraphInfo, RunnerStats
@@ -23,4 +35,6 @@ __all__ = [
     "GraphRunner", "GraphInfo", "RunnerStats", "CudaBackend", "capture_graph", "pool_reserved_bytes",
     "reset_rng_after_failed_capture", "max_rel_error", "validate_replay", "graph_node_types", "Buckets",
     "pick_bucket", "ArgSpec", "Call", "bind_names", "check_inputs", "tree_map", "tree_leaves",
+    "NODE_COLUMNS", "NodeAttribution", "kernel_family", "node_counts", "node_table", "node_times", "time_by_module",
+    "to_dot", "Break", "BreakPlan", "PiecewiseGraph",
 ]

@@ -16,6 +16,7 @@ from ..errors import CaptureError, InputError
 from .buckets import Buckets, Cuts, copy_padded
 from .compare import check_first_replay, max_rel_error, rtol_for
 from .graph import CudaBackend
+from .inspect import NodeAttribution
 from .nest import nbytes, opaque_types, tree_map
 from .signature import Call
 from .state import Changes, Snapshot, StateWatch, rng_restore, rng_snapshot
@@ -39,6 +40,8 @@ class GraphEntry:
             replayed value after each replay (the graph rewrites ``value`` in place).
         first_output: for a function with state, the first call's result, from the first warm-up call;
             that call is the caller's one eager call, so no replay follows it.
+        attribution: with ``inspect``, the :class:`~cgutils.capture.inspect.NodeAttribution` that watched
+            the capture (which module added each node); ``None`` otherwise.
     """
 
     graph: Any
@@ -50,6 +53,7 @@ class GraphEntry:
     mutated_inputs: list[int] = field(default_factory=list)
     attributes: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
     first_output: Any = None
+    attribution: Any = None
 
     def load(self, named: list[tuple[str, torch.Tensor]], buckets: Buckets) -> None:
         """Copy a call's tensors into the static inputs, padded up to the bucket."""
@@ -81,7 +85,8 @@ def load(static_inputs: list[torch.Tensor], named: list[tuple[str, torch.Tensor]
 
 def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, targets: list[tuple[int, ...]],
                   *, buckets: Buckets, backend: CudaBackend, pool: Any, warmup: int, validate: bool,
-                  rtol: float | None, what: str, signature: str) -> GraphEntry:
+                  rtol: float | None, what: str, signature: str, inspect: bool = False,
+                  breaks: Any = None) -> GraphEntry:
     """Warm up, capture and (with ``validate``) check one graph for ``call`` at the (padded) ``targets``.
 
     The first warm-up call is watched (:class:`~cgutils.capture.state.StateWatch`). If it updated
@@ -96,6 +101,8 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
         call: the caller's call (:class:`~cgutils.capture.signature.Call`).
         targets: per tensor argument, the shape to capture at (padded to its bucket).
         signature: the graph's description for :class:`GraphInfo`.
+        inspect: keep the graph and note which module added each node (``entry.attribution``).
+        breaks: a :class:`~cgutils.capture.piecewise.BreakPlan` for piecewise capture, or ``None``.
 
     Raises:
         CaptureError: capture failed, or replay disagreed with eager (``cause`` ``"baked_value"``, or
@@ -135,9 +142,14 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
             seen["expected"] = tree_map(torch.clone, out)
 
     pool_before = backend.pool_bytes(pool)
+    options: dict[str, Any] = {}  # only when asked: a backend without these features keeps working
+    if inspect:
+        options["inspect"] = NodeAttribution(fn)
+    if breaks is not None:
+        options["breaks"] = breaks
     try:
         graph, static_out = backend.capture(lambda: run(*s_args, **s_kwargs), warmup=warmup, pool=pool,
-                                            on_warmup=on_warmup, what=what)
+                                            on_warmup=on_warmup, what=what, **options)
         pool_bytes = max(0, backend.pool_bytes(pool) - pool_before)
         changes, one_call = seen["changes"], seen.get("one_call")
         # the tensors forward stored on self during capture: each replay rewrites them in place (read them
@@ -164,7 +176,7 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
     entry = GraphEntry(graph, static_inputs, static_out, GraphInfo(
         signature=signature, capture_ms=(time.perf_counter() - t_start) * 1e3, pool_bytes=pool_bytes,
         static_input_bytes=nbytes(static_inputs), static_output_bytes=nbytes(static_out), max_rel_error=rel),
-        changes=changes)
+        changes=changes, attribution=options.get("inspect"))
     mutated = {id(t) for _, t in changes.tensors}
     entry.mutated_inputs = [i for i, b in enumerate(static_inputs) if id(b) in mutated]
     entry.attributes = [(m, a, captured[(id(m), a)]) for n, m, a in changes.rebound if n not in changes.values]

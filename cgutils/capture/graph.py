@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from ..checks import check_int, first_line
-from ..diagnose import explain, find_sync_points
+from ..diagnose import explain, failure_site, find_sync_points
 from ..errors import CaptureError
+from .ending import end_abandoned_capture
+from .piecewise import BreakPlan, capture_pieces
 from .state import rng_restore, rng_snapshot
 
 
@@ -91,10 +93,19 @@ def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Capture
         syncs = find_sync_points(fn)
     except Exception as rerun:  # the eager rerun can fail for its own reasons; never hide the original
         note = f"\n(Could not rerun it eagerly to look for syncs: {type(rerun).__name__}: {rerun})"
+    site = failure_site(exc)
     if syncs is not None and len(syncs):
-        where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}" for r in syncs.head(5).itertuples())
+        def failed_here(r: Any) -> bool:
+            return site is not None and (r.file, r.line) == (site.file, site.line)
+
+        where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}" + ("   <- capture failed here" if failed_here(r) else "")
+                          for r in syncs.head(5).itertuples())
         more = f"\n  ... and {len(syncs) - 5} more (see .sync_points)" if len(syncs) > 5 else ""
-        note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}"
+        hit = any(failed_here(r) for r in syncs.itertuples())
+        others = ("\nThe unmarked syncs ran in the eager rerun; code may sync only when not capturing (transformers "
+                  "skips its attention-mask check while capturing), so fix the marked line first."
+                  if hit and len(syncs) > 1 else "")
+        note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}{others}"
     cause = "sync" if syncs is not None and len(syncs) else (why.key if why else "")
     others = syncs.attrs.get("other_threads", []) if syncs is not None else []
     if syncs is not None and not len(syncs) and others:
@@ -136,7 +147,8 @@ def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Capture
 def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                   on_last_warmup: Callable[[Any], None] | None = None,
                   on_warmup: Callable[[int, Any], None] | None = None,
-                  what: str = "function", debug: bool = False) -> tuple[torch.cuda.CUDAGraph, Any]:
+                  what: str = "function", debug: bool = False, inspect: Any = None,
+                  breaks: BreakPlan | None = None) -> tuple[Any, Any]:
     """Warm ``fn`` up on a side stream, then capture one call of it into a CUDA graph.
 
     Args:
@@ -150,10 +162,16 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         what: name used in error messages.
         debug: keep the graph's description so that ``graph.debug_dump(path)`` can write it as a
             Graphviz DOT file (see :func:`cgutils.capture.graph_node_types`).
+        inspect: a :class:`~cgutils.capture.inspect.NodeAttribution` to watch the capture with; the graph
+            is then made with ``keep_graph=True`` so that :func:`~cgutils.capture.inspect.node_table` can
+            read its nodes (host memory for the kept graph; no effect on replay).
+        breaks: a :class:`~cgutils.capture.piecewise.BreakPlan`: capture in pieces around its modules,
+            which run eagerly between them (:mod:`~cgutils.capture.piecewise`); the first warm-up call
+            finds the modules of ``"auto"`` and of named classes.
 
     Returns:
         ``(graph, static_output)``: the output tensors live in the pool and are rewritten by each
-        ``graph.replay()``.
+        ``graph.replay()``. With ``breaks``, ``graph`` is a :class:`~cgutils.capture.piecewise.PiecewiseGraph`.
 
     Capture runs in CUDA's thread-local capture mode (``cudaStreamCaptureModeThreadLocal``): CUDA calls
     that other threads make meanwhile (a data loader copying pinned batches, a library allocating) do
@@ -174,7 +192,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
     with autocast_without_cache():
         with torch.cuda.stream(side), torch.no_grad():
             for i in range(warmup):
-                out = fn()
+                with breaks.watching() if breaks is not None and i == 0 else contextlib.nullcontext():
+                    out = fn()
                 if on_warmup is not None:
                     on_warmup(i, out)
             if on_last_warmup is not None:
@@ -182,35 +201,41 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
             del out
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        if debug:
-            graph.enable_debug_mode()
         stream, rng = torch.cuda.current_stream(), rng_snapshot()
-        ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+        # a pool handle of our own when none is given (what torch does itself), so that a failed capture's
+        # recording into it can be ended (end_abandoned_capture)
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        watch = inspect if inspect is not None else contextlib.nullcontext()
         try:
-            with ctx, torch.no_grad():
-                static_out = fn()
+            if breaks is not None:
+                with watch:
+                    graph, static_out = capture_pieces(
+                        fn, breaks, pool, keep_graph=inspect is not None,
+                        reset=lambda: (reset_rng_after_failed_capture(), rng_restore(rng)))
+            else:
+                graph = torch.cuda.CUDAGraph(keep_graph=True) if inspect is not None else torch.cuda.CUDAGraph()
+                if debug:
+                    graph.enable_debug_mode()
+                ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+                try:
+                    with watch, ctx, torch.no_grad():
+                        static_out = fn()
+                except Exception:
+                    # torch.cuda.graph's __exit__ calls capture_end before leaving its stream context, so an
+                    # error there left the caller on the capture stream (torch 2.11 and 2.14 alike).
+                    end_abandoned_capture(graph, ctx.capture_stream, pool)
+                    raise
+                if inspect is not None:
+                    graph.instantiate()  # kept graphs instantiate lazily: not on the first replay's clock
         except Exception as exc:
-            # torch.cuda.graph's __exit__ calls capture_end before leaving its stream context, so an
-            # error there left the caller on the capture stream (torch 2.11 and 2.14 alike).
-            _end_abandoned_capture(graph, ctx.capture_stream)
             torch.cuda.set_stream(stream)
             reset_rng_after_failed_capture()
             rng_restore(rng)
+            if isinstance(exc, CaptureError):
+                raise
             raise capture_failure(exc, fn, what) from exc
     torch.cuda.synchronize()
     return graph, static_out
-
-
-def _end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cuda.Stream) -> None:
-    """End a capture that an error interrupted before ``capture_end`` ran, so that the stream stops
-    capturing and the allocator stops routing its allocations to the graph's pool."""
-    with torch.cuda.stream(capture_stream):
-        if torch.cuda.is_current_stream_capturing():
-            try:
-                graph.capture_end()
-            except RuntimeError:
-                pass  # an invalidated capture ends with an error; ended is what matters here
 
 
 class CudaBackend:

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pandas as pd
 import torch
 from torch import nn
 
@@ -37,7 +38,9 @@ from .buckets import Buckets, apply_cuts, learn_cuts, resize
 from .compare import check_later_replay, check_padding, rtol_for
 from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
+from .inspect import NODE_COLUMNS, node_table
 from .nest import same_value, tree_map
+from .piecewise import BreakPlan, PiecewiseGraph
 from .signature import ArgSpec, Binder, Call, check_inputs
 from .stats import RunnerStats
 
@@ -73,7 +76,8 @@ class GraphRunner:
         strict: a changed dtype or rank of a tensor argument raises (default) instead of capturing
             another graph.
         pool: a memory-pool handle (``torch.cuda.graph_pool_handle()``) to share with other runners;
-            default: one new pool shared by this runner's graphs.
+            default: one new pool shared by this runner's graphs. After a capture fails, later captures go
+            to a new pool: torch 2.11 leaves the failed one refusing captures (:mod:`~cgutils.capture.ending`).
         buckets: ``{dim: sizes}``: pad every tensor argument with more than ``dim`` dimensions along
             ``dim`` up to the smallest size in ``sizes`` that holds it, so a few graphs serve every
             length. Outputs are cut back to the caller's length along the dims that follow it: the
@@ -89,6 +93,14 @@ class GraphRunner:
         compile: run ``fn`` through ``torch.compile`` (Inductor, ``mode="default"``: fused kernels, no
             graphs of its own) and capture that; ``True`` or a dict of ``torch.compile`` keyword
             arguments. Compilation happens during the first warm-up.
+        inspect: keep each captured graph (``torch.cuda.CUDAGraph(keep_graph=True)``) and note which module
+            and :class:`cgutils.nvtx_range` added each node, for :meth:`node_table` (needs cuda-python:
+            ``pip install cuda-bindings``). Costs host memory for the kept graph, nothing at replay.
+        breaks: capture in pieces around modules that cannot be captured, which then run eagerly between
+            the pieces (:mod:`~cgutils.capture.piecewise`): ``"auto"`` (the innermost module at each
+            CPU-GPU sync of the first warm-up call), or a list of qualified module names, module objects
+            or module classes. A break module's outputs must keep their shape from call to call.
+            :meth:`pieces` lists pieces and breaks, :meth:`segment_times` what each costs.
         backend: the CUDA calls (capture, pool, sync): :class:`~cgutils.capture.CudaBackend`; the tests
             pass a CPU simulation.
 
@@ -109,7 +121,7 @@ class GraphRunner:
                  validate_replays: int = 0, rtol: float | None = None, clone_outputs: bool = True,
                  strict: bool = True, pool: Any = None, buckets: dict[int, Any] | None = None,
                  pad_value: float | dict[str, float] = 0, compile: bool | dict = False,
-                 backend: CudaBackend = CUDA):
+                 inspect: bool = False, breaks: Any = None, backend: CudaBackend = CUDA):
         if not callable(fn):
             raise InputError(f"GraphRunner needs a callable (module or function), got {type(fn).__name__}")
         self.warmup = check_int("warmup", warmup, minimum=1, why="lazy initialisation must not be captured")
@@ -118,6 +130,11 @@ class GraphRunner:
             raise InputError(f"rtol must be a number >= 0 (a relative error), got {rtol!r}")
         self._buckets = Buckets(buckets, pad_value)
         self.buckets, self.pad_value = self._buckets.sizes, pad_value
+        if breaks is not None and compile is not False:
+            raise InputError("breaks= and compile= cannot be combined: piecewise capture splits at module calls, "
+                             "which torch.compile traces through; compile the pieces' modules yourself instead")
+        self._breaks = BreakPlan(fn, breaks) if breaks is not None else None
+        self.inspect = bool(inspect)
         self.fn, self._call = fn, _compiled(fn, compile)
         self.validate, self.rtol, self.clone_outputs, self.strict = validate, rtol, clone_outputs, strict
         self._pool, self._backend, self._binder = pool, backend, Binder(fn)
@@ -281,12 +298,74 @@ class GraphRunner:
             self._output(entry, call, targets, entry.static_output)
         return self.stats
 
+    def _entry(self, graph: int) -> GraphEntry:
+        entries = list(self._graphs.values())
+        if not entries:
+            raise InputError(f"{self!r} has captured no graph yet: call it once first")
+        if not -len(entries) <= graph < len(entries):
+            raise InputError(f"graph={graph}: {self!r} holds {len(entries)} graphs (0..{len(entries) - 1} in capture "
+                             f"order, or negative from the end; stats.graphs names their signatures)")
+        return entries[graph]
+
+    def node_table(self, graph: int = -1):
+        """The nodes of one captured graph (default: the latest), each with the module that added it.
+
+        Returns:
+            :func:`cgutils.capture.inspect.node_table`'s DataFrame; with ``breaks``, the pieces' nodes one
+            after another, with a ``piece`` column (piece number).
+
+        Raises:
+            InputError: the runner was made without ``inspect=True``, or ``graph`` is out of range.
+            DependencyError: cuda-python is not installed.
+        """
+        if not self.inspect:
+            raise InputError(f"{self!r} was made without inspect=True, so its graphs were not kept; make it with "
+                             f"GraphRunner(fn, inspect=True) to read their nodes")
+        entry = self._entry(graph)
+        if not isinstance(entry.graph, PiecewiseGraph):
+            return node_table(entry.graph, entry.attribution)
+        parts = [node_table(g, entry.attribution).assign(piece=i)
+                 for i, g in enumerate(entry.graph.pieces) if g is not None]
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*NODE_COLUMNS, "piece"])
+
+    def pieces(self, graph: int = -1):
+        """Graph pieces and eager breaks of one captured graph, in replay order
+        (:meth:`~cgutils.capture.piecewise.PiecewiseGraph.table`); one ``piece 0`` row without ``breaks``.
+
+        Raises:
+            InputError: nothing captured yet, or ``graph`` out of range.
+        """
+        entry = self._entry(graph)
+        if isinstance(entry.graph, PiecewiseGraph):
+            return entry.graph.table()
+        return PiecewiseGraph(pieces=[entry.graph]).table()
+
+    def segment_times(self, graph: int = -1, iters: int = 20):
+        """Wall time of each piece and each eager break of one graph, µs, from ``iters`` replays of the
+        current static inputs (:meth:`~cgutils.capture.piecewise.PiecewiseGraph.segment_times`).
+
+        Raises:
+            InputError: nothing captured yet, ``graph`` out of range, or ``iters`` < 1.
+        """
+        iters = check_int("iters", iters, minimum=1, why="replays to time")
+        entry = self._entry(graph)
+        with self._lock:
+            pieces = entry.graph if isinstance(entry.graph, PiecewiseGraph) else PiecewiseGraph(pieces=[entry.graph])
+            return pieces.segment_times(iters)
+
     def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> GraphEntry:
         if self._pool is None:
             self._pool = self._backend.new_pool()
-        entry = capture_entry(self._call, self.fn, call, targets, buckets=self._buckets, backend=self._backend,
-                              pool=self._pool, warmup=self.warmup, validate=self.validate, rtol=self.rtol,
-                              what=repr(self), signature=_signature(call.named, targets, autocast))
+        try:
+            entry = capture_entry(self._call, self.fn, call, targets, buckets=self._buckets, backend=self._backend,
+                                  pool=self._pool, warmup=self.warmup, validate=self.validate, rtol=self.rtol,
+                                  what=repr(self), signature=_signature(call.named, targets, autocast),
+                                  inspect=self.inspect, breaks=self._breaks)
+        except CaptureError as exc:
+            if exc.original is not None:
+                # a failed capture leaves its pool refusing later captures (capture.ending): start a new one
+                self._pool = None
+            raise
         if len(self._graphs) == GRAPH_COUNT_WARNING:  # this capture makes one more: warn once
             _warn_graph_count(self, (self.stats.memory_bytes + entry.info.memory_bytes) / 2**20)
         return entry

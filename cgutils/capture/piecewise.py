@@ -1,0 +1,429 @@
+"""Piecewise capture: graph what can be graphed, run the modules that cannot be captured eagerly between.
+
+A single ``.item()``, data-dependent shape or syncing library call anywhere in a forward makes the whole
+capture fail. vLLM and SGLang split their models at such points by hand (attention outside the graph,
+"piecewise" graphs); ``torch.compile`` splits at graph breaks. Here the split is at module calls, so
+it works on any ``nn.Module`` without a compiler:
+
+- **Which modules break** (:class:`BreakPlan`): the modules the caller names, or (``"auto"``) the
+  innermost module running when capture failed on a call a graph cannot hold (a sync): that module
+  becomes a break and capture starts again, until it succeeds. Found while capturing, not eagerly:
+  code that syncs only when not capturing (transformers skips its attention-mask check while
+  ``torch.cuda.is_current_stream_capturing()``) breaks nothing.
+- **Capture** (:class:`PieceCapture`): capture runs from the start of the function up to the first call
+  of a break module; that capture ends, the module runs eagerly, its outputs are copied into static
+  buffers that the next piece reads, and capture starts again; and so on to the end. All pieces capture
+  into one memory pool, in order, so later pieces reuse blocks freed by earlier ones (safe because the
+  pieces always replay in the same order: PyTorch docs, "Graph memory management").
+- **Replay** (:class:`PiecewiseGraph.replay`): piece, break, piece, ... A break calls its module on the
+  same argument tensors it was captured with (the previous piece rewrites them in place) and copies
+  the result into its static buffers.
+
+During capture, each piece is replayed as soon as it is captured, so that the break after it runs
+eagerly on real values (nothing executes while a stream captures; a break that looks at its inputs,
+as a sync does, would otherwise see garbage).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..diagnose import explain, failure_site
+from ..errors import CaptureError, InputError
+from .ending import end_abandoned_capture
+from .nest import tree_leaves, tree_map
+
+
+@dataclass
+class Break:
+    """One eager call between two graph pieces.
+
+    Attributes:
+        name: the module's qualified name (or class name).
+        why: why it runs eagerly: ``"named"`` or the sync found there (``"sync: Tensor.item at f.py:12"``).
+        module: the module called.
+        args, kwargs: its arguments as captured; tensors among them are rewritten by the previous piece.
+        static_output: its outputs at capture; each replay copies the new outputs into these tensors.
+    """
+
+    name: str
+    why: str
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    static_output: Any
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """Call the module eagerly and copy its outputs into the static buffers the next piece reads.
+
+        Raises:
+            CaptureError: an output changed shape, dtype or structure since capture (``cause="break_shape"``):
+                the next piece reads buffers of the captured shape.
+        """
+        out = self.module(*self.args, **self.kwargs)
+        new, old = tree_leaves(out), tree_leaves(self.static_output)
+        if len(new) != len(old):
+            raise CaptureError(f"eager module {self.name} returned {len(new)} values, at capture {len(old)}; the "
+                               f"next graph piece reads the captured ones", cause="break_shape")
+        for (path, a), (_, b) in zip(new, old, strict=True):
+            if isinstance(b, torch.Tensor):
+                if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                    got = f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else type(a).__name__
+                    raise CaptureError(
+                        f"eager module {self.name} returned {path} as {got}, but it was captured as "
+                        f"{tuple(b.shape)} {b.dtype}; the next graph piece reads a buffer of the captured shape. "
+                        f"A break's outputs must keep their shape (pad a data-dependent length to a fixed "
+                        f"size), or the break must move to where the shape no longer matters.",
+                        cause="break_shape")
+                b.copy_(a)
+
+
+@dataclass
+class PiecewiseGraph:
+    """A function captured as graph pieces with eager breaks between them; ``replay()`` runs them in order.
+
+    Attributes:
+        pieces: ``len(breaks) + 1`` graphs (``torch.cuda.CUDAGraph``); ``None`` for a piece that captured
+            no work (a break at the very start or end, or two breaks in a row).
+        breaks: the eager calls, :class:`Break`, in call order.
+    """
+
+    pieces: list[Any]
+    breaks: list[Break] = field(default_factory=list)
+
+    def replay(self) -> None:
+        for i, graph in enumerate(self.pieces):
+            if graph is not None:
+                graph.replay()
+            if i < len(self.breaks):
+                self.breaks[i].run()
+
+    def table(self) -> pd.DataFrame:
+        """The pieces and breaks in replay order: ``step``, ``kind`` (``graph`` / ``eager``), ``name``
+        (``piece i`` or the module), ``why`` (for breaks)."""
+        rows = []
+        for i, graph in enumerate(self.pieces):
+            rows.append({"kind": "graph", "name": f"piece {i}" + ("" if graph is not None else " (empty)"), "why": ""})
+            if i < len(self.breaks):
+                b = self.breaks[i]
+                rows.append({"kind": "eager", "name": b.name, "why": b.why})
+        return pd.DataFrame(rows).rename_axis("step").reset_index()
+
+    def segment_times(self, iters: int = 20) -> pd.DataFrame:
+        """Wall time of each piece replay and each eager break, µs (median over ``iters`` replays, with a
+        device sync after each segment, so segments do not overlap as they do in a normal replay and sum
+        to more than one).
+
+        Returns:
+            :meth:`table` with ``us`` (median) and ``p90_us``.
+        """
+        steps = [g.replay if g is not None else (lambda: None) for g in self.pieces]
+        runs: list[Any] = []
+        for i, step in enumerate(steps):
+            runs.append(step)
+            if i < len(self.breaks):
+                runs.append(self.breaks[i].run)
+        samples: list[list[float]] = [[] for _ in runs]
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            for k, run in enumerate(runs):
+                t0 = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                samples[k].append((time.perf_counter() - t0) * 1e6)
+        out = self.table()
+        out["us"] = [float(pd.Series(s).median()) for s in samples]
+        out["p90_us"] = [float(pd.Series(s).quantile(0.9)) for s in samples]
+        return out
+
+
+class BreakPlan:
+    """Which module calls run eagerly between graph pieces.
+
+    Args:
+        root: the function being captured: an ``nn.Module`` (names are its qualified names), or a function
+            (then ``breaks`` must be module objects or classes, or ``"auto"``).
+        breaks: ``"auto"``: found while capturing: when capture fails with a CPU-GPU sync (or another
+            call a graph cannot hold), the innermost module running at that moment becomes a break and
+            capture starts again; or an iterable of qualified module names (``"encoder.layer.5.attention"``), ``nn.Module``
+            objects and ``nn.Module`` subclasses (every instance breaks).
+
+    Raises:
+        InputError: an unknown name (the message lists close ones), an entry of another kind, or the root
+            module itself (nothing would be left to capture).
+    """
+
+    def __init__(self, root: Any, breaks: Any):
+        self.root = root if isinstance(root, nn.Module) else None
+        self.names = {id(m): n for n, m in self.root.named_modules()} if self.root is not None else {}
+        self.auto = isinstance(breaks, str) and breaks == "auto"
+        self.objects: dict[int, tuple[nn.Module, str]] = {}  # id(module) -> (module, why)
+        self.types: dict[type, str] = {}
+        if self.auto:
+            return
+        if isinstance(breaks, (str, nn.Module, type)):
+            breaks = [breaks]
+        if not isinstance(breaks, Iterable):
+            raise InputError(f"breaks must be 'auto' or a list of module names, modules or module classes, got {breaks!r}")
+        by_name = dict(self.root.named_modules()) if self.root is not None else {}
+        for b in breaks:
+            if isinstance(b, str):
+                if self.root is None:
+                    raise InputError(f"breaks: the name {b!r} needs an nn.Module to look it up in; this function is not "
+                                     f"one, so pass the module object or its class instead")
+                if b not in by_name:
+                    close = [n for n in by_name if n and (b in n or n.endswith(b.split(".")[-1]))][:5]
+                    raise InputError(f"breaks: no submodule named {b!r} in {type(root).__name__}"
+                                     + (f"; close: {close}" if close else "; see [n for n, _ in model.named_modules()]"))
+                self._add(by_name[b], "named")
+            elif isinstance(b, nn.Module):
+                self._add(b, "named")
+            elif isinstance(b, type) and issubclass(b, nn.Module):
+                self.types[b] = f"named class {b.__name__}"
+                for m in self.root.modules() if self.root is not None else ():
+                    if isinstance(m, b) and m is not self.root:
+                        self._add(m, self.types[b])
+            else:
+                raise InputError(f"breaks: {b!r} is not a module name, module or module class")
+        if not self.objects and not self.types:
+            raise InputError("breaks is empty: name at least one module, or use breaks='auto'")
+
+    def _add(self, module: nn.Module, why: str) -> None:
+        if module is self.root:
+            raise InputError(f"breaks: {why} is the root module itself ({type(module).__name__}); nothing would be "
+                             f"left to capture. Name a submodule, or call the model eagerly.")
+        self.objects.setdefault(id(module), (module, why))
+
+    def why(self, module: nn.Module) -> str | None:
+        """Why ``module`` breaks, or ``None`` if it is captured."""
+        hit = self.objects.get(id(module))
+        return hit[1] if hit is not None else None
+
+    def modules(self) -> list[nn.Module]:
+        """The break modules found so far (names, objects, instances of the classes seen, auto's finds)."""
+        return [m for m, _ in self.objects.values()]
+
+    def name(self, module: nn.Module) -> str:
+        return self.names.get(id(module)) or type(module).__name__
+
+    def watching(self) -> _Watch:
+        """Context manager for the first warm-up call: finds the instances of the named classes it calls."""
+        return _Watch(self)
+
+
+class _Watch:
+    """A module stack during one eager call: instances of the plan's classes that it calls become breaks
+    (a function's modules are only known once it runs)."""
+
+    def __init__(self, plan: BreakPlan):
+        self.plan, self.handle = plan, None
+
+    def _enter_module(self, module: nn.Module, *_: Any) -> None:
+        for t, why in self.plan.types.items():
+            if isinstance(module, t) and module is not self.plan.root:
+                self.plan._add(module, why)
+
+    def __enter__(self) -> _Watch:
+        if self.plan.types:
+            self.handle = nn.modules.module.register_module_forward_pre_hook(self._enter_module)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+_EMPTY = "The CUDA Graph is empty"  # PyTorch's warning at capture_end for a graph without nodes
+
+
+class PieceCapture:
+    """Capture one call of a function as :class:`PiecewiseGraph` (see the module docstring).
+
+    Args:
+        plan: the break modules.
+        pool: the memory pool every piece captures into.
+        keep_graph: make each piece with ``torch.cuda.CUDAGraph(keep_graph=True)`` (for node tables).
+
+    Attributes:
+        stack: with ``plan.auto``, the modules running (outermost first); after a failed capture, the
+            modules that were running when it failed.
+    """
+
+    def __init__(self, plan: BreakPlan, pool: Any, keep_graph: bool = False):
+        self.plan, self.pool, self.keep_graph = plan, pool, keep_graph
+        self.result = PiecewiseGraph(pieces=[])
+        self.current: torch.cuda.CUDAGraph | None = None
+        self.depth = 0  # break-module calls open inside the current break
+        self.pending: tuple[nn.Module, tuple, dict] | None = None
+        self.stack: list[nn.Module] = []
+        self.stream = _capture_stream()
+
+    def run(self, fn: Any) -> Any:
+        """Capture ``fn()``: returns its static outputs (rewritten by each replay). On error the caller
+        ends the capture in progress with :meth:`abandon`."""
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()  # as torch.cuda.graph does: segments freed before capture go back first
+        handles = []
+        for module in self.plan.modules():  # hooks on the break modules only: the rest runs at full speed
+            handles += [module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        module.register_forward_hook(self._post, with_kwargs=True)]
+        if self.plan.auto:
+            # no always_call: after an error the stack still holds the modules that were running
+            hooks = nn.modules.module
+            handles += [hooks.register_module_forward_pre_hook(self._push),
+                        hooks.register_module_forward_hook(self._pop)]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(self.stream), torch.no_grad():
+                self._begin()
+                out = fn()
+                self._end()
+        finally:
+            for h in handles:
+                h.remove()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def abandon(self, release: bool = False) -> None:
+        """End a capture that an error interrupted, so the stream stops capturing and the allocator stops
+        routing allocations to the pool (``release``: a pool of this capture's own, dropped too)."""
+        if self.current is not None:
+            end_abandoned_capture(self.current, self.stream, self.pool, release=release)
+            self.current = None
+
+    def _begin(self) -> None:
+        self.current = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graph else torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def _end(self) -> None:
+        graph = self.current
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graph.capture_end()
+        self.current = None
+        empty = any(_EMPTY in str(w.message) for w in caught)
+        for w in caught:
+            if _EMPTY not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if empty:
+            self.result.pieces.append(None)
+            return
+        if self.keep_graph:
+            graph.instantiate()
+        self.result.pieces.append(graph)
+        graph.replay()  # real values for the eager break that follows (nothing ran while capturing)
+
+    def _push(self, module: nn.Module, *_: Any) -> None:
+        self.stack.append(module)
+
+    def _pop(self, module: nn.Module, *_: Any) -> None:
+        # returns None: a forward hook's return value replaces the module's output
+        if self.stack:
+            self.stack.pop()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.depth:
+            self.depth += 1
+        elif self.current is not None:
+            self._end()
+            self.depth, self.pending = 1, (module, args, kwargs)
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if not self.depth:
+            return None
+        self.depth -= 1
+        if self.depth:
+            return None
+        module0, args0, kwargs0 = self.pending
+        self.pending = None
+        # static buffers for the next piece: made outside any capture, kept alive by the Break
+        static = tree_map(lambda t: t.detach().clone(), out)
+        self.result.breaks.append(Break(self.plan.name(module0), self.plan.why(module0) or "", module0,
+                                        args0, kwargs0, static))
+        self._begin()
+        return static
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    # one per device, reused: the caching allocator keeps freed blocks per stream (see graph._warmup_stream)
+    dev = torch.cuda.current_device()
+    if dev not in _STREAMS:
+        _STREAMS[dev] = torch.cuda.Stream()
+    return _STREAMS[dev]
+
+
+# explain() keys of failures that mean "this call cannot be in a graph": a break can take it out
+_BREAKABLE = {"sync", "invalidated", "host_copy", "allocation"}
+MAX_AUTO_BREAKS = 64
+
+
+def capture_pieces(fn: Any, plan: BreakPlan, pool: Any, keep_graph: bool = False,
+                   reset: Any = None) -> tuple[PiecewiseGraph, Any]:
+    """Capture ``fn()`` in pieces around ``plan``'s modules into ``pool``; ``(graph, static_output)``.
+
+    With ``plan.auto``, the breaks are found first, by captures into throw-away pools: a capture that fails
+    on a call a graph cannot hold (:func:`cgutils.explain` says sync, invalidated capture, host copy or
+    allocation) makes the innermost module running at the failure a break, and capture starts again
+    (``reset()`` is called after each failed attempt to put the random generators back), up to
+    :data:`MAX_AUTO_BREAKS` times. Then the pieces are captured once more, into ``pool``. (A failed capture
+    leaves its pool unusable for later captures: :func:`~cgutils.capture.ending.end_abandoned_capture`.)
+
+    Raises:
+        CaptureError: with ``auto``, the failure happened outside every submodule (in the top-level
+            function), or in a module that already breaks (``cause="sync"``).
+        Exception: whatever ``fn`` or the capture raised otherwise (the caller diagnoses it); the capture
+            in progress is ended first.
+    """
+    if not torch.cuda.is_available():
+        raise InputError("piecewise capture needs a CUDA device")
+    if plan.auto:
+        _find_breaks(fn, plan, reset)
+    cap = PieceCapture(plan, pool, keep_graph)
+    try:
+        return cap.result, cap.run(fn)
+    except BaseException:
+        cap.abandon()
+        raise
+
+
+def _find_breaks(fn: Any, plan: BreakPlan, reset: Any) -> None:
+    for _attempt in range(MAX_AUTO_BREAKS + 1):
+        cap = PieceCapture(plan, torch.cuda.graph_pool_handle())
+        try:
+            cap.run(fn)
+            return  # the pieces (and their throw-away pool) go with cap
+        except BaseException as exc:
+            cap.abandon(release=True)
+            why = explain(exc) if isinstance(exc, Exception) else None
+            if why is None or why.key not in _BREAKABLE:
+                raise
+            if reset is not None:
+                reset()
+            module = next((m for m in reversed(cap.stack) if m is not plan.root), None)
+            site = failure_site(exc)
+            where = f" at {site.file.rsplit('/', 1)[-1]}:{site.line}" if site is not None else ""
+            if module is None or plan.why(module) is not None:
+                what = "the top-level function itself" if module is None else f"{plan.name(module)}, already a break"
+                raise CaptureError(
+                    f"capture failed on a call a graph cannot hold{where}, in {what}; piecewise capture splits "
+                    f"only at submodule calls. Move that step into a submodule (its own nn.Module), or name the "
+                    f"modules to run eagerly with breaks=[...]. The error: {str(exc).splitlines()[0]}",
+                    original=exc, explanation=str(why), cause="sync") from exc
+            plan._add(module, f"{why.key}{where}")
+    raise CaptureError(f"breaks='auto' found more than {MAX_AUTO_BREAKS} modules to run eagerly; name them with "
+                       f"breaks=[...] or call the model eagerly", cause="sync")
+

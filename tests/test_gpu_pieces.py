@@ -1,0 +1,176 @@
+"""GPU tests (``pytest -m gpu``) for graph inspection (node tables, module attribution, trace join) and
+piecewise capture (graph pieces around modules that cannot be captured)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cgutils as cg
+from cgutils.errors import CaptureError
+
+pytestmark = pytest.mark.gpu
+
+
+class Guard(nn.Module):
+    """A NaN check: a Python ``if`` on a CUDA tensor, so a CPU-GPU sync that capture cannot hold."""
+
+    def forward(self, x):
+        if not torch.isfinite(x).all():
+            raise FloatingPointError("non-finite activations")
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class GuardedStack(nn.Module):
+    def __init__(self, depth=4, guard_at=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.guard, self.guard_at = Guard(), guard_at
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i == self.guard_at:
+                x = self.guard(x)
+            x = block(x)
+        return x
+
+
+def _model():
+    torch.manual_seed(0)
+    return GuardedStack().cuda().eval()
+
+
+def test_whole_graph_fails_and_auto_breaks_capture_the_rest():
+    model, x = _model(), torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        expected = model(x)
+    with pytest.raises(CaptureError):
+        cg.GraphRunner(model)(x)
+    runner = cg.GraphRunner(model, breaks="auto")
+    got = runner(x)
+    assert cg.max_rel_error(got, expected) <= 1e-5
+    pieces = runner.pieces()
+    assert list(pieces.kind) == ["graph", "eager", "graph"]
+    assert pieces.name.iloc[1] == "guard" and pieces.why.iloc[1]
+    x2 = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        expected2 = model(x2)
+    assert cg.max_rel_error(runner(x2), expected2) <= 1e-5  # replay reads the new input through the break
+    times = runner.segment_times(iters=3)
+    assert len(times) == 3 and (times.us > 0).all()
+
+
+def test_named_break_and_break_that_raises_at_replay():
+    model = _model()
+    runner = cg.GraphRunner(model, breaks=["guard"])
+    x = torch.randn(8, 64, device="cuda")
+    runner(x)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError):  # the eager break still checks every call
+        runner(bad)
+
+
+def test_break_shape_change_is_named():
+    class Shrink(nn.Module):
+        def forward(self, x):
+            return x[: int(x.sum().item() > 0) + 1]  # data-dependent length
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.cut, self.post = nn.Linear(4, 4), Shrink(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.post(self.cut(self.pre(x)))
+
+    torch.manual_seed(0)
+    m = M().cuda().eval()
+    runner = cg.GraphRunner(m, breaks="auto", validate=False)
+    x = torch.ones(4, 4, device="cuda")
+    runner(x)
+    with pytest.raises(CaptureError, match="captured as"):
+        for sign in (1.0, -1.0, 1.0, -1.0):
+            runner(x * sign * 100)
+
+
+def test_sync_in_top_level_function_is_explained():
+    lin = nn.Linear(4, 4).cuda()
+
+    def f(x):
+        y = lin(x)
+        if y.sum() > 0:
+            y = y * 2
+        return y
+
+    with pytest.raises(CaptureError, match="top-level function"):
+        cg.GraphRunner(f, breaks="auto")(torch.randn(2, 4, device="cuda"))
+    # the caller's stream and generators are usable afterwards
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.randn(3, device="cuda")
+
+
+def test_node_table_attributes_nodes_to_modules_and_matches_trace(tmp_path):
+    pytest.importorskip("cuda.bindings")
+    model, x = _model(), torch.randn(8, 64, device="cuda")
+    model.guard_at = 99  # no guard: one whole graph
+    runner = cg.GraphRunner(model, inspect=True)
+    runner(x)
+    table = runner.node_table()
+    kernels = table[table.type == "KERNEL"]
+    assert len(kernels) >= 8  # two linears and a ReLU per block, plus adds
+    assert (kernels.kernel != "").all() and (kernels.module != "").mean() >= 0.99
+    assert set(kernels.module) >= {"blocks.0.fc1", "blocks.3.fc2"}
+    assert "digraph" in cg.to_dot(table)
+    path = cg.profile(lambda: runner(x), tmp_path / "replay.json.gz", warmup=1, active=2)
+    timed = cg.node_times(table, cg.load_trace(path))
+    assert timed.attrs["activities"] == timed.attrs["matched"] == len(kernels) + (table.type.isin(["MEMSET", "MEMCPY"])).sum()
+    per_module = cg.time_by_module(timed, depth=2)
+    assert abs(per_module.gpu_us.sum() - timed.attrs["launch_gpu_us"]) <= 0.05 * timed.attrs["launch_gpu_us"]
+
+
+def test_node_table_without_inspect_says_how():
+    runner = cg.GraphRunner(nn.Linear(4, 4).cuda().eval())
+    runner(torch.randn(2, 4, device="cuda"))
+    with pytest.raises(cg.InputError, match="inspect=True"):
+        runner.node_table()
+
+
+def test_piecewise_node_table_has_pieces():
+    pytest.importorskip("cuda.bindings")
+    runner = cg.GraphRunner(_model(), breaks="auto", inspect=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner(torch.randn(8, 64, device="cuda"))
+    table = runner.node_table()
+    assert set(table.piece) == {0, 1}
+    assert not (table.module == "guard").any()  # the break ran eagerly: none of its work is in a graph
+
+
+def test_runner_captures_again_after_a_failed_capture():
+    """A failed capture leaves its pool refusing later captures ("beginAllocateToPool: already recording to
+    mempool_id", torch 2.11): the runner's next capture failed even once the cause was gone."""
+    model, x = _model(), torch.randn(8, 64, device="cuda")
+    runner = cg.GraphRunner(model)
+    with pytest.raises(CaptureError):
+        runner(x)
+    model.guard_at = 99
+    with torch.no_grad():
+        expected = model(x)
+    assert cg.max_rel_error(runner(x), expected) <= 1e-5
+
+
+def test_capture_error_marks_the_failing_line():
+    with pytest.raises(CaptureError, match="capture failed here") as info:
+        cg.GraphRunner(_model())(torch.randn(8, 64, device="cuda"))
+    assert "isfinite" in str(info.value)
