@@ -1,0 +1,262 @@
+"""CPU tests for graph inspection (on the recorded BERT-base node table and trace-shaped frames, and a
+simulated capture) and for piecewise capture's parts that need no GPU (break plans, breaks, replay order)."""
+
+import builtins
+import types
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import cgutils as cg
+from cgutils.capture import Break, BreakPlan, PiecewiseGraph
+from cgutils.capture.inspect import NodeAttribution, kernel_family, short_kernel_name
+from cgutils.diagnose import failure_site
+from cgutils.errors import CaptureError, DependencyError, InputError
+from cgutils.store import current_store
+from simulation import SimulatedBackend
+
+
+def _recorded_nodes():
+    nodes = current_store().load_frame("bert_graph_nodes")
+    return nodes.assign(kernel=nodes.kernel.fillna(""), module=nodes.module.fillna(""),
+                        depends_on=nodes.depends_on.map(lambda s: [int(float(i)) for i in str(s).split() if i != "nan"]))
+
+
+def test_recorded_bert_graph_meets_the_attribution_targets():
+    nodes = _recorded_nodes()
+    check = current_store().load_value("bert_graph_check")
+    kernels = nodes[nodes.type == "KERNEL"]
+    assert len(kernels) == check["kernel_nodes"]
+    assert check["matched"] == check["activities"] == (nodes.type.isin(["KERNEL", "MEMSET", "MEMCPY"])).sum()
+    assert (kernels.module != "").mean() >= 0.99
+    per_module = cg.time_by_module(nodes)
+    assert abs(per_module.gpu_us.sum() - check["launch_gpu_us"]) <= 0.05 * check["launch_gpu_us"]
+
+
+def _trace(names, kinds=None, call="cudaGraphLaunch", corr=7):
+    kinds = kinds or ["kernel"] * len(names)
+    links = pd.DataFrame({"call": call, "call_ts": 0.0, "call_dur": 5.0, "correlation": corr, "name": names,
+                          "ts": [10.0 * i for i in range(len(names))], "dur": [1.0 + i for i in range(len(names))],
+                          "stream": 7, "kind": kinds})
+    return types.SimpleNamespace(links=lambda: links, path="fake.json")
+
+
+def _table(kernels):
+    rows = [{"index": i, "type": "KERNEL" if k != "MEMSET" else "MEMSET", "kernel": k if k != "MEMSET" else "",
+             "family": "", "grid": (1, 1, 1), "block": (1, 1, 1), "shared_mem_bytes": 0, "param_bytes": 0,
+             "module": f"m{i % 2}", "range": "", "depends_on": [i - 1] if i else []} for i, k in enumerate(kernels)]
+    return pd.DataFrame(rows)
+
+
+def test_node_times_matches_by_name_in_order():
+    table = _table(["a", "b", "MEMSET", "a"])
+    timed = cg.node_times(table, _trace(["a", "b", "Memset (Device)", "a"], ["kernel", "kernel", "memset", "kernel"]))
+    assert list(timed.gpu_us) == [1.0, 2.0, 3.0, 4.0]
+    assert timed.attrs["matched"] == timed.attrs["activities"] == 4 and not timed.attrs["unmatched_activities"]
+    by_module = cg.time_by_module(timed)
+    assert by_module.set_index("module").gpu_us.to_dict() == {"m1": 6.0, "m0": 4.0}
+    assert by_module.share.sum() == pytest.approx(1.0)
+
+
+def test_node_times_reports_what_it_could_not_match():
+    timed = cg.node_times(_table(["a"]), _trace(["a", "z"]))
+    assert timed.attrs["unmatched_activities"] == ["z"] and timed.attrs["matched"] == 1
+
+
+def test_node_times_needs_a_graph_launch():
+    with pytest.raises(InputError, match="no cudaGraphLaunch"):
+        cg.node_times(_table(["a"]), _trace(["a"], call="cudaLaunchKernel"))
+    with pytest.raises(InputError, match="graph launches"):
+        cg.node_times(_table(["a"]), _trace(["a"]), launch=3)
+    with pytest.raises(InputError, match="node table"):
+        cg.node_times(pd.DataFrame({"x": [1]}), _trace(["a"]))
+
+
+def test_time_by_module_folds_to_a_depth():
+    timed = _table(["a", "b"]).assign(module=["encoder.layer.0.attention", "encoder.layer.1.output"], gpu_us=[1.0, 2.0])
+    assert set(cg.time_by_module(timed, depth=2).module) == {"encoder.layer"}
+    with pytest.raises(InputError):
+        cg.time_by_module(timed, depth=0)
+
+
+def test_dot_export_and_counts():
+    table = _table(["void at::native::vectorized_elementwise_kernel<4, Add>(int, Add)", "MEMSET"])
+    dot = cg.to_dot(table)
+    assert dot.startswith('digraph "cuda_graph"') and "n0 -> n1;" in dot
+    assert "at::native::vectorized_elementwise_kernel" in dot and "<4" not in dot
+    counts = cg.node_counts(table)
+    assert counts.nodes.sum() == 2
+
+
+@pytest.mark.parametrize("name,family", [
+    ("nvjet_sm90_hsh_64x16_64x16_2x4_h_bz_bias_TNT", "gemm"),
+    ("triton_poi_fused_add_0", "elementwise"),
+    ("some_library_kernel", "other"),
+    ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize64x64x64", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::Half>", "normalization"),
+    ("sm80_xmma_fprop_implicit_gemm_indexed_f16f16", "convolution"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::Half>>", "elementwise"),
+])
+def test_kernel_family(name, family):
+    assert kernel_family(name) == family
+
+
+def test_short_kernel_name():
+    assert short_kernel_name("void at::native::foo<int, 3>(char*, long)") == "at::native::foo"
+    assert short_kernel_name("nvjet_abc") == "nvjet_abc"
+
+
+def test_attribution_gives_nodes_to_the_innermost_module_and_range():
+    nodes: list[int] = []
+
+    class Leaf(nn.Module):
+        def forward(self, x):
+            nodes.append(len(nodes) + 100)  # "a kernel": one new node
+            return x
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Leaf(), Leaf()
+
+        def forward(self, x):
+            x = self.a(x)
+            nodes.append(999)  # work in the root's own forward
+            with cg.nvtx_range("tail"):
+                return self.b(x)
+
+    root = Root()
+    with NodeAttribution(root, nodes_now=lambda: list(nodes)) as attribution:
+        root(torch.ones(1))
+    assert attribution.owner == {100: ("a", ""), 999: ("Root", ""), 102: ("b", "tail")}
+    assert attribution.order == [100, 999, 102]
+    assert not nn.modules.module._global_forward_hooks  # hooks removed
+
+
+def test_node_table_without_cuda_python_names_the_package(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name.startswith("cuda"):
+            raise ImportError("No module named 'cuda'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    with pytest.raises(DependencyError, match="pip install cuda-bindings"):
+        cg.node_table(12345)
+
+
+def test_runner_node_table_needs_inspect():
+    runner = cg.GraphRunner(nn.Linear(3, 3), backend=SimulatedBackend())
+    runner(torch.ones(2, 3))
+    with pytest.raises(InputError, match="inspect=True"):
+        runner.node_table()
+    with pytest.raises(InputError, match="graph=5"):
+        runner.pieces(graph=5)
+    assert list(runner.pieces().kind) == ["graph"]
+
+
+def test_runner_pieces_before_any_capture():
+    with pytest.raises(InputError, match="call it once first"):
+        cg.GraphRunner(nn.Linear(3, 3), backend=SimulatedBackend()).pieces()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.mid, self.post = nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.post(self.mid(self.pre(x)))
+
+
+def test_break_plan_resolves_names_modules_and_classes():
+    net = Net()
+    assert BreakPlan(net, ["mid"]).why(net.mid) == "named"
+    assert BreakPlan(net, net.pre).why(net.pre) == "named"
+    plan = BreakPlan(net, nn.Linear)
+    assert {plan.name(m) for m in plan.modules()} == {"pre", "post"}
+    assert BreakPlan(net, "auto").auto and BreakPlan(net, "auto").why(net.mid) is None
+
+
+@pytest.mark.parametrize("breaks,match", [
+    (["midd"], "no submodule named 'midd'"),
+    ([""], "root module itself"),
+    ([3], "not a module name"),
+    ([], "breaks is empty"),
+    (42, "breaks must be"),
+])
+def test_break_plan_rejects_bad_breaks(breaks, match):
+    with pytest.raises(InputError, match=match):
+        BreakPlan(Net(), breaks)
+
+
+def test_break_names_need_a_module_root():
+    with pytest.raises(InputError, match="needs an nn.Module"):
+        BreakPlan(lambda x: x, ["mid"])
+
+
+def test_breaks_and_compile_cannot_combine():
+    with pytest.raises(InputError, match="cannot be combined"):
+        cg.GraphRunner(Net(), breaks="auto", compile=True)
+
+
+def test_break_copies_into_static_buffers_and_rejects_a_new_shape():
+    x = torch.ones(4, 3)
+    keep = nn.Identity()
+    brk = Break("keep", "named", keep, (x,), {}, torch.zeros(4, 3))
+    x.mul_(2)  # the previous piece rewrote the break's input in place
+    brk.run()
+    assert torch.equal(brk.static_output, torch.full((4, 3), 2.0))
+    short = Break("cut", "named", nn.Identity(), (torch.ones(2, 3),), {}, torch.zeros(4, 3))
+    with pytest.raises(CaptureError, match="captured as") as info:
+        short.run()
+    assert info.value.cause == "break_shape"
+
+
+def test_piecewise_graph_replays_in_order():
+    calls = []
+
+    class Piece:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            calls.append(self.name)
+
+    class Rec(nn.Module):
+        def forward(self, x):
+            calls.append("break")
+            return x
+
+    x = torch.ones(1)
+    graph = PiecewiseGraph([Piece("p0"), None, Piece("p2")],
+                           [Break("r0", "named", Rec(), (x,), {}, torch.zeros(1)),
+                            Break("r1", "named", Rec(), (x,), {}, torch.zeros(1))])
+    graph.replay()
+    assert calls == ["p0", "break", "break", "p2"]
+    table = graph.table()
+    assert list(table.kind) == ["graph", "eager", "graph", "eager", "graph"]
+    assert table.name.iloc[2] == "piece 1 (empty)"
+
+
+def test_failure_site_follows_the_exception_chain():
+    def user_line():
+        raise ValueError("first")
+
+    try:
+        try:
+            user_line()
+        except ValueError:
+            raise RuntimeError("while ending the capture") from None
+    except RuntimeError as exc:
+        outer = exc
+    try:
+        user_line()
+    except ValueError as inner:
+        outer.__context__ = inner
+    site = failure_site(outer, user_files=[__file__])
+    assert site is not None and site.op == "ValueError" and "raise ValueError" in site.code
