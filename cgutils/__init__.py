@@ -29,14 +29,14 @@ from .capture import (
     RunnerStats,
     capture_graph,
     graph_node_types,
+    max_rel_error,
     node_counts,
     node_table,
     node_times,
-    time_by_module,
-    to_dot,
-    max_rel_error,
     pool_reserved_bytes,
     reset_rng_after_failed_capture,
+    time_by_module,
+    to_dot,
     validate_replay,
 )
 from .diagnose import SyncPoint, SyncRecorder, explain, find_sync_points, user_code

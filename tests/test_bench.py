@@ -5,11 +5,11 @@ import importlib
 import json
 import pkgutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib
 import pandas as pd
 import pytest
-from types import SimpleNamespace
 import torch
 
 import cgutils.bench

@@ -1,7 +1,6 @@
 """Committed figures are drawn from the committed data: each names the store entries it was drawn from,
 with their content hashes (plots.save_figure), and a figure older than its data fails here."""
 
-import json
 
 import matplotlib
 import pytest

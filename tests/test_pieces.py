@@ -7,6 +7,7 @@ import types
 import pandas as pd
 import pytest
 import torch
+from simulation import SimulatedBackend
 from torch import nn
 
 import cgutils as cg
@@ -15,7 +16,6 @@ from cgutils.capture.inspect import NodeAttribution, kernel_family, short_kernel
 from cgutils.diagnose import failure_site
 from cgutils.errors import CaptureError, DependencyError, InputError
 from cgutils.store import current_store
-from simulation import SimulatedBackend
 
 
 def _recorded_nodes():
