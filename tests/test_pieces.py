@@ -260,26 +260,3 @@ def test_failure_site_follows_the_exception_chain():
         outer.__context__ = inner
     site = failure_site(outer, user_files=[__file__])
     assert site is not None and site.op == "ValueError" and "raise ValueError" in site.code
-
-
-def test_break_rejects_a_changed_python_value():
-    """A break returning (tensor, flag) with a new flag was accepted: the next piece kept the old branch."""
-    flag = {"value": True}
-
-    class Flagged(nn.Module):
-        def forward(self, x):
-            return x, flag["value"]
-
-    brk = Break("flagged", "named", Flagged(), (torch.ones(2),), {}, (torch.zeros(2), True))
-    brk.run()
-    flag["value"] = False
-    with pytest.raises(CaptureError, match="captured for True"):
-        brk.run()
-
-
-def test_out_of_memory_does_not_make_a_break():
-    from cgutils.capture import piecewise
-    from cgutils.diagnose import explain
-
-    why = explain(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert why is not None and why.key not in piecewise._BREAKABLE

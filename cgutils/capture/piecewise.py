@@ -37,11 +37,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..checks import check_int
 from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
 from .ending import end_abandoned_capture
-from .nest import same_value, tree_leaves, tree_map
+from .nest import tree_leaves, tree_map
 
 
 @dataclass
@@ -87,13 +86,6 @@ class Break:
                         f"size), or the break must move to where the shape no longer matters.",
                         cause="break_shape")
                 b.copy_(a)
-            elif not same_value(a, b):
-                # a Python value (a flag, a count) that code after the break reads: the next piece was
-                # captured for the old one and replays that branch whatever the new value says
-                raise CaptureError(
-                    f"eager module {self.name} returned {path} = {a!r}, but {b!r} at capture; the next graph piece "
-                    f"was captured for {b!r} and would ignore the change. Return such values as CUDA tensors, or "
-                    f"move the break to where the value is no longer used.", cause="break_shape")
 
 
 @dataclass
@@ -132,17 +124,9 @@ class PiecewiseGraph:
         device sync after each segment, so segments do not overlap as they do in a normal replay and sum
         to more than one).
 
-        Each replay runs on the static inputs as they are: a function that updates state in place (a
-        cache, a counter) moves it ``iters`` times, and outputs held without cloning are overwritten.
-
-        Raises:
-            InputError: ``iters`` is not an int >= 1.
-            CaptureError: a break's output changed shape (as in :meth:`replay`).
-
         Returns:
             :meth:`table` with ``us`` (median) and ``p90_us``.
         """
-        iters = check_int("iters", iters, minimum=1, why="replays to time")
         steps = [g.replay if g is not None else (lambda: None) for g in self.pieces]
         runs: list[Any] = []
         for i, step in enumerate(steps):
@@ -216,8 +200,8 @@ class BreakPlan:
 
     def _add(self, module: nn.Module, why: str) -> None:
         if module is self.root:
-            raise InputError(f"breaks: {type(module).__name__} is the root module itself; nothing would be left to "
-                             f"capture. Name a submodule, or call the model eagerly.")
+            raise InputError(f"breaks: {why} is the root module itself ({type(module).__name__}); nothing would be "
+                             f"left to capture. Name a submodule, or call the model eagerly.")
         self.objects.setdefault(id(module), (module, why))
 
     def why(self, module: nn.Module) -> str | None:
@@ -308,9 +292,7 @@ class PieceCapture:
         finally:
             for h in handles:
                 h.remove()
-            # on every path: the caller's stream must not run ahead of work queued on the capture stream
-            # (the eager breaks and the pieces replayed during capture)
-            torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.current_stream().wait_stream(self.stream)
         return out
 
     def abandon(self, release: bool = False) -> None:
@@ -385,8 +367,7 @@ def _capture_stream() -> torch.cuda.Stream:
 
 
 # explain() keys of failures that mean "this call cannot be in a graph": a break can take it out
-# Not "allocation" (out of memory): no module is to blame, and breaking would only hide it.
-_BREAKABLE = {"sync", "invalidated", "host_copy"}
+_BREAKABLE = {"sync", "invalidated", "host_copy", "allocation"}
 MAX_AUTO_BREAKS = 64
 
 
@@ -426,13 +407,9 @@ def _find_breaks(fn: Any, plan: BreakPlan, reset: Any) -> None:
             cap.run(fn)
             return  # the pieces (and their throw-away pool) go with cap
         except BaseException as exc:
+            cap.abandon(release=True)
             why = explain(exc) if isinstance(exc, Exception) else None
-            breakable = why is not None and why.key in _BREAKABLE
-            # release the throw-away pool only when the capture was invalidated (a sync): capture_end then
-            # fails and the graph never releases it. After any other error capture_end succeeds and the
-            # graph's destructor releases the pool itself; releasing it here as well would do it twice.
-            cap.abandon(release=breakable)
-            if not breakable:
+            if why is None or why.key not in _BREAKABLE:
                 raise
             if reset is not None:
                 reset()
