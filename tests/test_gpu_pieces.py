@@ -155,6 +155,14 @@ def test_piecewise_node_table_has_pieces():
     table = runner.node_table()
     assert set(table.piece) == {0, 1}
     assert not (table.module == "guard").any()  # the break ran eagerly: none of its work is in a graph
+    # one index space across pieces (each piece's table started again at 0, so to_dot merged nodes)
+    assert list(table["index"]) == list(range(len(table)))
+    for piece, deps in zip(table.piece, table.depends_on, strict=True):
+        assert set(table.piece[table["index"].isin(deps)]) <= {piece}
+    # the attribution saw the final capture only, not the captures that found the break
+    assert len(runner._entry(-1).attribution.order) == len(table)
+    with pytest.raises(cg.InputError, match="one at a time"):
+        cg.node_times(table, None)
 
 
 def test_runner_captures_again_after_a_failed_capture():
@@ -174,3 +182,24 @@ def test_capture_error_marks_the_failing_line():
     with pytest.raises(CaptureError, match="capture failed here") as info:
         cg.GraphRunner(_model())(torch.randn(8, 64, device="cuda"))
     assert "isfinite" in str(info.value)
+
+
+def test_auto_breaks_with_an_ordinary_error_raise_it_and_leave_state_alone():
+    """An ordinary error while "auto" tried a capture: the throw-away pool was released by hand and again by
+    the graph's destructor (a double release in the allocator)."""
+    import gc
+
+    class FailsWhenCaptured(nn.Module):
+        def forward(self, x):
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError("a bug in the model, not a sync")
+            return x
+
+    model = nn.Sequential(nn.Linear(4, 4), FailsWhenCaptured()).cuda().eval()
+    stream = torch.cuda.current_stream()
+    with pytest.raises(CaptureError, match="a bug in the model"):
+        cg.GraphRunner(model, breaks="auto")(torch.randn(2, 4, device="cuda"))
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.current_stream() == stream
+    torch.randn(3, device="cuda")

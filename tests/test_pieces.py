@@ -107,6 +107,43 @@ def test_kernel_family(name, family):
 def test_short_kernel_name():
     assert short_kernel_name("void at::native::foo<int, 3>(char*, long)") == "at::native::foo"
     assert short_kernel_name("nvjet_abc") == "nvjet_abc"
+    assert short_kernel_name("void at::native::(anonymous namespace)::softmax_warp_forward<float>(float*)") \
+        == "at::native::softmax_warp_forward"
+
+
+def test_cublas_nvjet_kernels_are_gemms():
+    assert kernel_family("nvjet_tst_128x64_64x4_1x1_v_bz_NNN") == "gemm"
+
+
+def test_to_dot_reads_a_recorded_table():
+    """A table read back from CSV holds depends_on as text ("0 3") or NaN: to_dot iterated its characters."""
+    nodes = current_store().load_frame("bert_graph_nodes")
+    dot = cg.to_dot(nodes)
+    edges = [line for line in dot.splitlines() if "->" in line]
+    assert len(edges) == sum(len(str(d).split()) for d in nodes.depends_on.dropna())
+    assert "  n0 -> n1;" in edges
+
+
+def test_node_times_refuses_several_pieces_at_once():
+    table = pd.concat([_table(["a"]).assign(piece=0), _table(["a"]).assign(index=1, piece=1)], ignore_index=True)
+    with pytest.raises(InputError, match="one at a time"):
+        cg.node_times(table, _trace(["a", "a"]))
+    one = cg.node_times(table[table.piece == 1], _trace(["a"]))
+    assert one.attrs["matched"] == 1
+
+
+def test_node_table_of_a_null_handle_or_without_a_driver(monkeypatch):
+    import cgutils.capture.inspect as inspect_mod
+    with pytest.raises(InputError, match="null cudaGraph_t"):
+        cg.node_table(0)
+
+    def no_libcuda(*_):
+        raise RuntimeError("Failed to dlopen libcuda.so.1")
+
+    fake = types.SimpleNamespace(CUgraph=lambda h: h, cuGraphGetNodes=no_libcuda)
+    monkeypatch.setattr(inspect_mod, "cuda_driver", lambda: fake)
+    with pytest.raises(cg.CgutilsError, match="needs the NVIDIA driver"):
+        cg.node_table(12345)
 
 
 def test_attribution_gives_nodes_to_the_innermost_module_and_range():
@@ -147,6 +184,9 @@ def test_node_table_without_cuda_python_names_the_package(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_cuda)
     with pytest.raises(DependencyError, match="pip install cuda-bindings"):
         cg.node_table(12345)
+    # a runner asked to inspect says so when it is made, not inside its first capture
+    with pytest.raises(DependencyError, match="pip install cuda-bindings"):
+        cg.GraphRunner(nn.Linear(3, 3), inspect=True, backend=SimulatedBackend())
 
 
 def test_runner_node_table_needs_inspect():
@@ -160,8 +200,13 @@ def test_runner_node_table_needs_inspect():
 
 
 def test_runner_pieces_before_any_capture():
-    with pytest.raises(InputError, match="call it once first"):
+    with pytest.raises(InputError, match="call it once first") as info:
         cg.GraphRunner(nn.Linear(3, 3), backend=SimulatedBackend()).pieces()
+    assert "lacks" not in str(info.value)
+    no_gpu = SimulatedBackend()
+    no_gpu.available = lambda: False
+    with pytest.raises(InputError, match="which this machine lacks"):
+        cg.GraphRunner(nn.Linear(3, 3), backend=no_gpu).pieces()
 
 
 class Net(nn.Module):
@@ -260,3 +305,26 @@ def test_failure_site_follows_the_exception_chain():
         outer.__context__ = inner
     site = failure_site(outer, user_files=[__file__])
     assert site is not None and site.op == "ValueError" and "raise ValueError" in site.code
+
+
+def test_break_rejects_a_changed_python_value():
+    """A break returning (tensor, flag) with a new flag was accepted: the next piece kept the old branch."""
+    flag = {"value": True}
+
+    class Flagged(nn.Module):
+        def forward(self, x):
+            return x, flag["value"]
+
+    brk = Break("flagged", "named", Flagged(), (torch.ones(2),), {}, (torch.zeros(2), True))
+    brk.run()
+    flag["value"] = False
+    with pytest.raises(CaptureError, match="captured for True"):
+        brk.run()
+
+
+def test_out_of_memory_does_not_make_a_break():
+    from cgutils.capture import piecewise
+    from cgutils.diagnose import explain
+
+    why = explain(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert why is not None and why.key not in piecewise._BREAKABLE

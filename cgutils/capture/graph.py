@@ -166,8 +166,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
             is then made with ``keep_graph=True`` so that :func:`~cgutils.capture.inspect.node_table` can
             read its nodes (host memory for the kept graph; no effect on replay).
         breaks: a :class:`~cgutils.capture.piecewise.BreakPlan`: capture in pieces around its modules,
-            which run eagerly between them (:mod:`~cgutils.capture.piecewise`); the first warm-up call
-            finds the modules of ``"auto"`` and of named classes.
+            which run eagerly between them (:mod:`~cgutils.capture.piecewise`); ``"auto"`` finds them
+            while capturing, the first warm-up call finds the instances of named classes.
 
     Returns:
         ``(graph, static_output)``: the output tensors live in the pool and are rewritten by each
@@ -208,10 +208,9 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         watch = inspect if inspect is not None else contextlib.nullcontext()
         try:
             if breaks is not None:
-                with watch:
-                    graph, static_out = capture_pieces(
-                        fn, breaks, pool, keep_graph=inspect is not None,
-                        reset=lambda: (reset_rng_after_failed_capture(), rng_restore(rng)))
+                graph, static_out = capture_pieces(
+                    fn, breaks, pool, side, keep_graph=inspect is not None, watch=inspect,
+                    reset=lambda: (reset_rng_after_failed_capture(), rng_restore(rng)))
             else:
                 graph = torch.cuda.CUDAGraph(keep_graph=True) if inspect is not None else torch.cuda.CUDAGraph()
                 if debug:

@@ -20,6 +20,7 @@ in execution order) to give GPU time per node, and :func:`time_by_module` per mo
 from __future__ import annotations
 
 import collections
+import numbers
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,7 +39,8 @@ NODE_COLUMNS = ["index", "type", "kernel", "family", "grid", "block", "shared_me
 _FAMILIES: list[tuple[str, str]] = [
     ("attention", r"flash|fmha|attention|sdpa|mha_"),
     ("convolution", r"conv|fprop|dgrad|wgrad|winograd"),
-    ("gemm", r"gemm|cutlass|xmma|cublas|matmul|gemv|sm\d+_.*_tn|splitk"),
+    # nvjet_*: cuBLAS's GEMM kernels on Hopper and later (CUDA 12.8+), named without "gemm"
+    ("gemm", r"gemm|cutlass|xmma|cublas|matmul|gemv|nvjet|sm\d+_.*_tn|splitk"),
     ("softmax", r"softmax"),
     ("normalization", r"layer_norm|layernorm|batch_norm|batchnorm|group_norm|rms_?norm|bn_fw"),
     ("reduction", r"reduce|argmax|argmin|\bsum\b|mean|cumsum|scan"),
@@ -61,7 +63,7 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def _driver():
+def cuda_driver():
     try:
         from cuda.bindings import driver
     except ImportError as exc:
@@ -92,7 +94,7 @@ def _nodes(driver: Any, graph: Any) -> list[int]:
 
 def capturing_graph(stream: int | None = None) -> Any | None:
     """The ``CUgraph`` that ``stream`` (default: the current stream) is capturing into, or ``None``."""
-    driver = _driver()
+    driver = cuda_driver()
     if stream is None:
         stream = torch.cuda.current_stream().cuda_stream
     status, _id, graph, *_ = _call(driver, "cuStreamGetCaptureInfo", driver.cuStreamGetCaptureInfo(driver.CUstream(stream)))
@@ -143,7 +145,7 @@ class NodeAttribution:
 
     def _from_driver(self) -> list[int]:
         graph = capturing_graph()
-        return [] if graph is None else _nodes(_driver(), graph)
+        return [] if graph is None else _nodes(cuda_driver(), graph)
 
     def mark(self) -> None:
         """Give every node added since the last mark to the innermost running module and range."""
@@ -207,8 +209,11 @@ def raw_graph(graph: Any) -> Any:
     Raises:
         InputError: the graph was not kept (``keep_graph=False``, torch's default), or is not a graph.
     """
-    driver = _driver()
-    if isinstance(graph, int):
+    driver = cuda_driver()
+    if isinstance(graph, int) and not isinstance(graph, bool):
+        if graph == 0:
+            raise InputError("graph handle 0 is a null cudaGraph_t; pass a torch.cuda.CUDAGraph captured with "
+                             "keep_graph=True, or its raw_cuda_graph()")
         return driver.CUgraph(graph)
     if not hasattr(graph, "raw_cuda_graph"):
         raise InputError(f"expected a torch.cuda.CUDAGraph or a cudaGraph_t handle (int), got {type(graph).__name__}")
@@ -268,12 +273,16 @@ def node_table(graph: Any, attribution: NodeAttribution | None = None) -> pd.Dat
 
     Raises:
         DependencyError: cuda-python (``cuda-bindings``) is not installed.
-        InputError: the graph was not captured with ``keep_graph=True``.
-        CgutilsError: the driver refused a query (a destroyed graph).
+        InputError: the graph was not captured with ``keep_graph=True``, or the handle is 0.
+        CgutilsError: the driver could not be loaded (no NVIDIA driver) or refused a query (a destroyed graph).
     """
-    driver = _driver()
+    driver = cuda_driver()
     handle = raw_graph(graph)
-    nodes = _nodes(driver, handle)
+    try:
+        nodes = _nodes(driver, handle)
+    except RuntimeError as exc:  # cuda-python loads libcuda at the first call: "Failed to dlopen libcuda.so.1"
+        raise CgutilsError(f"reading a CUDA graph needs the NVIDIA driver, which could not be loaded here "
+                           f"({exc}); run this on a machine with a GPU, or read a recorded table") from exc
     handles = {n: driver.CUgraphNode(n) for n in nodes}
     n_edges = _call(driver, "cuGraphGetEdges", driver.cuGraphGetEdges(handle, 0))[-1]
     deps: dict[int, list[int]] = {n: [] for n in nodes}
@@ -321,7 +330,8 @@ def _capture_order(nodes: list[int], deps: dict[int, list[int]], attribution: No
             waiting[c] -= 1
             if waiting[c] == 0:
                 ready.append(c)
-    return out + [n for n in nodes if n not in set(out)]
+    placed = set(out)  # once: a set per node made this quadratic
+    return out + [n for n in nodes if n not in placed]
 
 
 def node_counts(table: pd.DataFrame) -> pd.DataFrame:
@@ -336,7 +346,8 @@ def to_dot(table: pd.DataFrame, *, name: str = "cuda_graph", label_chars: int = 
     one cluster per top-level module, an edge per dependency. Render with ``dot -Tsvg``.
 
     Args:
-        table: from :func:`node_table`.
+        table: from :func:`node_table`, or a recorded one read back from CSV (``depends_on`` as text such as
+            ``"0 3"``).
         name: the DOT graph's name.
         label_chars: longest kernel label kept (names are shortened to their function name first).
     """
@@ -348,20 +359,33 @@ def to_dot(table: pd.DataFrame, *, name: str = "cuda_graph", label_chars: int = 
     lines = [f"digraph {quote(name)} {{", "  node [shape=box, fontsize=10];"]
     by_top: dict[str, list[str]] = collections.defaultdict(list)
     for r in table.itertuples():
-        label = f"{r.index}: " + (short_kernel_name(r.kernel)[:label_chars] if r.kernel else r.type)
-        by_top[(r.module or "").split(".")[0]].append(f"    n{r.index} [label={quote(label)}];")
+        kernel = r.kernel if isinstance(r.kernel, str) else ""  # an empty CSV cell reads back as NaN
+        module = r.module if isinstance(r.module, str) else ""
+        label = f"{r.index}: " + (short_kernel_name(kernel)[:label_chars] if kernel else r.type)
+        by_top[module.split(".")[0]].append(f"    n{r.index} [label={quote(label)}];")
     for i, (top, nodes) in enumerate(by_top.items()):
         lines += [f"  subgraph cluster_{i} {{", f"    label={quote(top or '(top level)')};", *nodes, "  }"]
     for r in table.itertuples():
-        lines += [f"  n{d} -> n{r.index};" for d in r.depends_on]
+        lines += [f"  n{d} -> n{r.index};" for d in _dependencies(r.depends_on)]
     return "\n".join(lines + ["}"]) + "\n"
+
+
+def _dependencies(value: Any) -> list[int]:
+    """``depends_on`` as a list of node indexes, from a list or from what CSV gives back (``"0 3"``, ``3.0``, NaN)."""
+    if isinstance(value, str):
+        return [int(v) for v in re.findall(r"\d+", value)]
+    if value is None or (isinstance(value, numbers.Real) and value != value):  # an empty CSV cell: NaN
+        return []
+    if isinstance(value, numbers.Real):  # a cell holding one index reads back as a number
+        return [int(value)]
+    return [int(v) for v in value]
 
 
 def short_kernel_name(name: str) -> str:
     """A demangled kernel name without its template arguments, parameter list and return type, e.g.
     ``at::native::vectorized_elementwise_kernel``; the name itself when nothing can be cut."""
     depth, out = 0, []
-    for ch in name:
+    for ch in name.replace("(anonymous namespace)::", ""):
         if ch in "<(":
             depth += 1
         elif ch in ">)":
@@ -402,10 +426,16 @@ def node_times(table: pd.DataFrame, trace: Any, *, launch: int = -1) -> pd.DataF
         no node), ``launch_gpu_us`` (their summed duration).
 
     Raises:
-        InputError: ``table`` is not a node table, the trace has no ``cudaGraphLaunch`` with GPU work, or
-            ``launch`` is out of range.
+        InputError: ``table`` is not a node table, holds several pieces of a piecewise graph, the trace has
+            no ``cudaGraphLaunch`` with GPU work, or ``launch`` is out of range.
     """
     _check_table(table, ["index", "type", "kernel"])
+    if "piece" in table.columns and table.piece.nunique() > 1:
+        raise InputError(
+            f"this node table holds {table.piece.nunique()} graph pieces (a piecewise runner's), and each piece is "
+            f"its own cudaGraphLaunch: join one at a time, node_times(table[table.piece == k], trace, launch=...) "
+            f"with the launch of piece k (pieces launch in order, so piece k of the last call is launch "
+            f"k - {table.piece.nunique()})")
     links = trace.links()
     graph_links = links[links.call.str.contains("GraphLaunch", regex=False)]
     correlations = list(dict.fromkeys(graph_links.correlation))

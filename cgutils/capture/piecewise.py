@@ -17,7 +17,9 @@ it works on any ``nn.Module`` without a compiler:
   pieces always replay in the same order: PyTorch docs, "Graph memory management").
 - **Replay** (:class:`PiecewiseGraph.replay`): piece, break, piece, ... A break calls its module on the
   same argument tensors it was captured with (the previous piece rewrites them in place) and copies
-  the result into its static buffers.
+  the result into its static buffers. A break whose output no longer fits its static buffers raises
+  ``CaptureError(cause="break_shape")`` at that point of the replay: the pieces before it have run, so a
+  function with state (a KV cache, a counter) has moved part of a step and should be reset by the caller.
 
 During capture, each piece is replayed as soon as it is captured, so that the break after it runs
 eagerly on real values (nothing executes while a stream captures; a break that looks at its inputs,
@@ -26,6 +28,7 @@ as a sync does, would otherwise see garbage).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import warnings
@@ -37,10 +40,11 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..checks import check_int
 from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
 from .ending import end_abandoned_capture
-from .nest import tree_leaves, tree_map
+from .nest import same_value, tree_leaves, tree_map
 
 
 @dataclass
@@ -86,6 +90,13 @@ class Break:
                         f"size), or the break must move to where the shape no longer matters.",
                         cause="break_shape")
                 b.copy_(a)
+            elif not same_value(a, b):
+                # a Python value (a flag, a count) that code after the break reads: the next piece was
+                # captured for the old one and replays that branch whatever the new value says
+                raise CaptureError(
+                    f"eager module {self.name} returned {path} = {a!r}, but {b!r} at capture; the next graph piece "
+                    f"was captured for {b!r} and would ignore the change. Return such values as CUDA tensors, or "
+                    f"move the break to where the value is no longer used.", cause="break_shape")
 
 
 @dataclass
@@ -124,9 +135,17 @@ class PiecewiseGraph:
         device sync after each segment, so segments do not overlap as they do in a normal replay and sum
         to more than one).
 
+        Each replay runs on the static inputs as they are: a function that updates state in place (a
+        cache, a counter) moves it ``iters`` times, and outputs held without cloning are overwritten.
+
+        Raises:
+            InputError: ``iters`` is not an int >= 1.
+            CaptureError: a break's output changed shape (as in :meth:`replay`).
+
         Returns:
             :meth:`table` with ``us`` (median) and ``p90_us``.
         """
+        iters = check_int("iters", iters, minimum=1, why="replays to time")
         steps = [g.replay if g is not None else (lambda: None) for g in self.pieces]
         runs: list[Any] = []
         for i, step in enumerate(steps):
@@ -200,8 +219,8 @@ class BreakPlan:
 
     def _add(self, module: nn.Module, why: str) -> None:
         if module is self.root:
-            raise InputError(f"breaks: {why} is the root module itself ({type(module).__name__}); nothing would be "
-                             f"left to capture. Name a submodule, or call the model eagerly.")
+            raise InputError(f"breaks: {type(module).__name__} is the root module itself; nothing would be left to "
+                             f"capture. Name a submodule, or call the model eagerly.")
         self.objects.setdefault(id(module), (module, why))
 
     def why(self, module: nn.Module) -> str | None:
@@ -252,6 +271,7 @@ class PieceCapture:
     Args:
         plan: the break modules.
         pool: the memory pool every piece captures into.
+        stream: the side stream to capture on (not the default stream; the warm-up's side stream serves).
         keep_graph: make each piece with ``torch.cuda.CUDAGraph(keep_graph=True)`` (for node tables).
 
     Attributes:
@@ -259,14 +279,13 @@ class PieceCapture:
             modules that were running when it failed.
     """
 
-    def __init__(self, plan: BreakPlan, pool: Any, keep_graph: bool = False):
-        self.plan, self.pool, self.keep_graph = plan, pool, keep_graph
+    def __init__(self, plan: BreakPlan, pool: Any, stream: torch.cuda.Stream, keep_graph: bool = False):
+        self.plan, self.pool, self.stream, self.keep_graph = plan, pool, stream, keep_graph
         self.result = PiecewiseGraph(pieces=[])
         self.current: torch.cuda.CUDAGraph | None = None
         self.depth = 0  # break-module calls open inside the current break
         self.pending: tuple[nn.Module, tuple, dict] | None = None
         self.stack: list[nn.Module] = []
-        self.stream = _capture_stream()
 
     def run(self, fn: Any) -> Any:
         """Capture ``fn()``: returns its static outputs (rewritten by each replay). On error the caller
@@ -292,7 +311,9 @@ class PieceCapture:
         finally:
             for h in handles:
                 h.remove()
-        torch.cuda.current_stream().wait_stream(self.stream)
+            # on every path: the caller's stream must not run ahead of work queued on the capture stream
+            # (the eager breaks and the pieces replayed during capture)
+            torch.cuda.current_stream().wait_stream(self.stream)
         return out
 
     def abandon(self, release: bool = False) -> None:
@@ -355,24 +376,14 @@ class PieceCapture:
         return static
 
 
-_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _capture_stream() -> torch.cuda.Stream:
-    # one per device, reused: the caching allocator keeps freed blocks per stream (see graph._warmup_stream)
-    dev = torch.cuda.current_device()
-    if dev not in _STREAMS:
-        _STREAMS[dev] = torch.cuda.Stream()
-    return _STREAMS[dev]
-
-
 # explain() keys of failures that mean "this call cannot be in a graph": a break can take it out
-_BREAKABLE = {"sync", "invalidated", "host_copy", "allocation"}
+# Not "allocation" (out of memory): no module is to blame, and breaking would only hide it.
+_BREAKABLE = {"sync", "invalidated", "host_copy"}
 MAX_AUTO_BREAKS = 64
 
 
-def capture_pieces(fn: Any, plan: BreakPlan, pool: Any, keep_graph: bool = False,
-                   reset: Any = None) -> tuple[PiecewiseGraph, Any]:
+def capture_pieces(fn: Any, plan: BreakPlan, pool: Any, stream: torch.cuda.Stream, keep_graph: bool = False,
+                   reset: Any = None, watch: Any = None) -> tuple[PiecewiseGraph, Any]:
     """Capture ``fn()`` in pieces around ``plan``'s modules into ``pool``; ``(graph, static_output)``.
 
     With ``plan.auto``, the breaks are found first, by captures into throw-away pools: a capture that fails
@@ -381,6 +392,8 @@ def capture_pieces(fn: Any, plan: BreakPlan, pool: Any, keep_graph: bool = False
     (``reset()`` is called after each failed attempt to put the random generators back), up to
     :data:`MAX_AUTO_BREAKS` times. Then the pieces are captured once more, into ``pool``. (A failed capture
     leaves its pool unusable for later captures: :func:`~cgutils.capture.ending.end_abandoned_capture`.)
+    ``watch`` (a :class:`~cgutils.capture.inspect.NodeAttribution`) watches that final capture only: the
+    throw-away captures' node handles may be reused by the final graph's nodes.
 
     Raises:
         CaptureError: with ``auto``, the failure happened outside every submodule (in the top-level
@@ -391,25 +404,31 @@ def capture_pieces(fn: Any, plan: BreakPlan, pool: Any, keep_graph: bool = False
     if not torch.cuda.is_available():
         raise InputError("piecewise capture needs a CUDA device")
     if plan.auto:
-        _find_breaks(fn, plan, reset)
-    cap = PieceCapture(plan, pool, keep_graph)
+        _find_breaks(fn, plan, stream, reset)
+    cap = PieceCapture(plan, pool, stream, keep_graph)
     try:
-        return cap.result, cap.run(fn)
+        with watch if watch is not None else contextlib.nullcontext():
+            out = cap.run(fn)
+        return cap.result, out
     except BaseException:
         cap.abandon()
         raise
 
 
-def _find_breaks(fn: Any, plan: BreakPlan, reset: Any) -> None:
+def _find_breaks(fn: Any, plan: BreakPlan, stream: torch.cuda.Stream, reset: Any) -> None:
     for _attempt in range(MAX_AUTO_BREAKS + 1):
-        cap = PieceCapture(plan, torch.cuda.graph_pool_handle())
+        cap = PieceCapture(plan, torch.cuda.graph_pool_handle(), stream)
         try:
             cap.run(fn)
             return  # the pieces (and their throw-away pool) go with cap
         except BaseException as exc:
-            cap.abandon(release=True)
             why = explain(exc) if isinstance(exc, Exception) else None
-            if why is None or why.key not in _BREAKABLE:
+            breakable = why is not None and why.key in _BREAKABLE
+            # release the throw-away pool only when the capture was invalidated (a sync): capture_end then
+            # fails and the graph never releases it. After any other error capture_end succeeds and the
+            # graph's destructor releases the pool itself; releasing it here as well would do it twice.
+            cap.abandon(release=breakable)
+            if not breakable:
                 raise
             if reset is not None:
                 reset()

@@ -38,7 +38,7 @@ from .buckets import Buckets, apply_cuts, learn_cuts, resize
 from .compare import check_later_replay, check_padding, rtol_for
 from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
-from .inspect import NODE_COLUMNS, node_table
+from .inspect import NODE_COLUMNS, cuda_driver, node_table
 from .nest import same_value, tree_map
 from .piecewise import BreakPlan, PiecewiseGraph
 from .signature import ArgSpec, Binder, Call, check_inputs
@@ -97,9 +97,9 @@ class GraphRunner:
             and :class:`cgutils.nvtx_range` added each node, for :meth:`node_table` (needs cuda-python:
             ``pip install cuda-bindings``). Costs host memory for the kept graph, nothing at replay.
         breaks: capture in pieces around modules that cannot be captured, which then run eagerly between
-            the pieces (:mod:`~cgutils.capture.piecewise`): ``"auto"`` (the innermost module at each
-            CPU-GPU sync of the first warm-up call), or a list of qualified module names, module objects
-            or module classes. A break module's outputs must keep their shape from call to call.
+            the pieces (:mod:`~cgutils.capture.piecewise`): ``"auto"`` (found while capturing: the innermost
+            module running where a capture failed on a sync becomes a break, and capture starts again),
+            or a list of qualified module names, module objects or module classes. A break module's outputs must keep their shape from call to call.
             :meth:`pieces` lists pieces and breaks, :meth:`segment_times` what each costs.
         backend: the CUDA calls (capture, pool, sync): :class:`~cgutils.capture.CudaBackend`; the tests
             pass a CPU simulation.
@@ -108,6 +108,9 @@ class GraphRunner:
     dtypes gets its own graph, captured on first sight; so does each CUDA autocast state
     (``torch.autocast("cuda", dtype=...)`` on or off), since captured kernels keep the dtypes autocast
     chose at capture. All graphs share one memory pool.
+
+    Raises (from the constructor): InputError for a bad option; DependencyError for ``inspect=True``
+    without cuda-python.
 
     Raises (from ``__call__``):
         InputError: CPU tensors, a changed argument structure, dtype, rank, device or non-tensor value.
@@ -135,6 +138,8 @@ class GraphRunner:
                              "which torch.compile traces through; compile the pieces' modules yourself instead")
         self._breaks = BreakPlan(fn, breaks) if breaks is not None else None
         self.inspect = bool(inspect)
+        if self.inspect:
+            cuda_driver()  # DependencyError now, naming the package, rather than inside the first capture
         self.fn, self._call = fn, _compiled(fn, compile)
         self.validate, self.rtol, self.clone_outputs, self.strict = validate, rtol, clone_outputs, strict
         self._pool, self._backend, self._binder = pool, backend, Binder(fn)
@@ -301,7 +306,8 @@ class GraphRunner:
     def _entry(self, graph: int) -> GraphEntry:
         entries = list(self._graphs.values())
         if not entries:
-            raise InputError(f"{self!r} has captured no graph yet: call it once first")
+            raise InputError(f"{self!r} has captured no graph yet: call it once first (capture needs a CUDA "
+                             f"device{'' if self._backend.available() else ', which this machine lacks'})")
         if not -len(entries) <= graph < len(entries):
             raise InputError(f"graph={graph}: {self!r} holds {len(entries)} graphs (0..{len(entries) - 1} in capture "
                              f"order, or negative from the end; stats.graphs names their signatures)")
@@ -312,7 +318,8 @@ class GraphRunner:
 
         Returns:
             :func:`cgutils.capture.inspect.node_table`'s DataFrame; with ``breaks``, the pieces' nodes one
-            after another, with a ``piece`` column (piece number).
+            after another, numbered on from one piece to the next, with a ``piece`` column (piece number;
+            join with a trace one piece at a time, :func:`~cgutils.capture.inspect.node_times`).
 
         Raises:
             InputError: the runner was made without ``inspect=True``, or ``graph`` is out of range.
@@ -324,8 +331,15 @@ class GraphRunner:
         entry = self._entry(graph)
         if not isinstance(entry.graph, PiecewiseGraph):
             return node_table(entry.graph, entry.attribution)
-        parts = [node_table(g, entry.attribution).assign(piece=i)
-                 for i, g in enumerate(entry.graph.pieces) if g is not None]
+        parts, offset = [], 0
+        for i, g in enumerate(entry.graph.pieces):
+            if g is None:
+                continue
+            part = node_table(g, entry.attribution)
+            # one index space across the pieces, so that to_dot and filters see distinct nodes
+            parts.append(part.assign(index=part["index"] + offset, piece=i,
+                                     depends_on=part.depends_on.map(lambda d, o=offset: [x + o for x in d])))
+            offset += len(part)
         return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*NODE_COLUMNS, "piece"])
 
     def pieces(self, graph: int = -1):
@@ -335,10 +349,7 @@ class GraphRunner:
         Raises:
             InputError: nothing captured yet, or ``graph`` out of range.
         """
-        entry = self._entry(graph)
-        if isinstance(entry.graph, PiecewiseGraph):
-            return entry.graph.table()
-        return PiecewiseGraph(pieces=[entry.graph]).table()
+        return _pieces(self._entry(graph)).table()
 
     def segment_times(self, graph: int = -1, iters: int = 20):
         """Wall time of each piece and each eager break of one graph, µs, from ``iters`` replays of the
@@ -350,8 +361,7 @@ class GraphRunner:
         iters = check_int("iters", iters, minimum=1, why="replays to time")
         entry = self._entry(graph)
         with self._lock:
-            pieces = entry.graph if isinstance(entry.graph, PiecewiseGraph) else PiecewiseGraph(pieces=[entry.graph])
-            return pieces.segment_times(iters)
+            return _pieces(entry).segment_times(iters)
 
     def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> GraphEntry:
         if self._pool is None:
@@ -369,6 +379,11 @@ class GraphRunner:
         if len(self._graphs) == GRAPH_COUNT_WARNING:  # this capture makes one more: warn once
             _warn_graph_count(self, (self.stats.memory_bytes + entry.info.memory_bytes) / 2**20)
         return entry
+
+
+def _pieces(entry: GraphEntry) -> PiecewiseGraph:
+    """An entry's graph as pieces: itself with ``breaks``, else one piece."""
+    return entry.graph if isinstance(entry.graph, PiecewiseGraph) else PiecewiseGraph(pieces=[entry.graph])
 
 
 def _eager_from(eager: Callable[[], Any], entry: GraphEntry, named: list, before: Any) -> Any:
