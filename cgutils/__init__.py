@@ -29,6 +29,7 @@ from .capture import (
     RunnerStats,
     capture_graph,
     graph_node_types,
+    if_node,
     max_rel_error,
     node_counts,
     node_table,
@@ -38,6 +39,7 @@ from .capture import (
     time_by_module,
     to_dot,
     validate_replay,
+    while_node,
 )
 from .diagnose import SyncPoint, SyncRecorder, explain, find_sync_points, user_code
 from .env import mode, provenance
@@ -53,6 +55,7 @@ from .errors import (
     TraceFormatError,
 )
 from .generation import GreedyDecoder, StaticKVState, hf_generate
+from .generation_stop import StopTokenDecoder
 from .overhead import gpu_activity, runtime_calls
 from .pitfalls import PITFALLS, DropoutNet, Scaled
 from .recorded import setup_notebook
@@ -67,6 +70,8 @@ __all__ = [
     "reset_rng_after_failed_capture", "graph_node_types", "max_rel_error", "validate_replay",
     # inside the graph, piecewise capture
     "node_table", "node_counts", "node_times", "time_by_module", "to_dot", "NodeAttribution", "PiecewiseGraph",
+    # control flow on the device
+    "while_node", "if_node", "StopTokenDecoder",
     # diagnosis and the pitfall catalogue
     "explain", "find_sync_points", "user_code", "SyncPoint", "SyncRecorder", "PITFALLS", "DropoutNet", "Scaled",
     # errors

@@ -8,11 +8,14 @@
 - :mod:`.stats`: what a runner has captured and replayed.
 - :mod:`.inspect`: what a captured graph holds: node tables, module attribution, GPU time per node.
 - :mod:`.piecewise`: graph pieces around modules that must run eagerly.
+- :mod:`.control`: WHILE and IF conditional nodes around captured work (control flow on the device).
+- :mod:`.cudadriver`: cuda-python's driver bindings, imported on first use.
 - :mod:`.runner`: :class:`GraphRunner`, which only coordinates.
 """
 
 from .buckets import Buckets, pick_bucket
 from .compare import max_rel_error, validate_replay
+from .control import if_node, while_node
 from .graph import CudaBackend, capture_graph, pool_reserved_bytes, reset_rng_after_failed_capture
 from .inspect import (
     NODE_COLUMNS,
@@ -36,5 +39,5 @@ __all__ = [
     "reset_rng_after_failed_capture", "max_rel_error", "validate_replay", "graph_node_types", "Buckets",
     "pick_bucket", "ArgSpec", "Call", "bind_names", "check_inputs", "tree_map", "tree_leaves",
     "NODE_COLUMNS", "NodeAttribution", "kernel_family", "node_counts", "node_table", "node_times", "time_by_module",
-    "to_dot", "Break", "BreakPlan", "PiecewiseGraph",
+    "to_dot", "Break", "BreakPlan", "PiecewiseGraph", "while_node", "if_node",
 ]

@@ -13,6 +13,7 @@ import torch
 from ..checks import check_int, first_line
 from ..diagnose import explain, failure_site, find_sync_points
 from ..errors import CaptureError
+from .control import capture_pool
 from .ending import end_abandoned_capture
 from .piecewise import BreakPlan, capture_pieces
 from .state import rng_restore, rng_snapshot
@@ -217,7 +218,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                     graph.enable_debug_mode()
                 ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
                 try:
-                    with watch, ctx, torch.no_grad():
+                    # capture_pool: while_node/if_node called by fn route their bodies' allocations to pool
+                    with watch, ctx, torch.no_grad(), capture_pool(pool):
                         static_out = fn()
                 except Exception:
                     # torch.cuda.graph's __exit__ calls capture_end before leaving its stream context, so an

@@ -29,7 +29,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..errors import CgutilsError, DependencyError, InputError
+from ..errors import CgutilsError, InputError
+from .cudadriver import check as _call
+from .cudadriver import cuda_driver
 
 NODE_COLUMNS = ["index", "type", "kernel", "family", "grid", "block", "shared_mem_bytes", "param_bytes",
                 "module", "range", "depends_on"]
@@ -61,26 +63,6 @@ def kernel_family(name: str) -> str:
         if re.search(pattern, name, flags=re.IGNORECASE):
             return family
     return "other"
-
-
-def cuda_driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:
-        raise DependencyError(
-            "reading a graph's nodes needs cuda-python's driver bindings, which are not installed: "
-            "pip install cuda-bindings (or pip install -e '.[inspect]' in this repository). Without them, "
-            "graph.debug_dump(path) and cgutils.graph_node_types(text) count node types from a DOT file.") from exc
-    return driver
-
-
-def _call(driver: Any, what: str, result: tuple) -> Any:
-    """Unpack a cuda-python result tuple ``(CUresult, *values)``; raise on an error code."""
-    err, *values = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise CgutilsError(f"{what} failed with {getattr(err, 'name', err)} while reading a CUDA graph; "
-                           f"the graph handle may have been destroyed (keep the CUDAGraph object alive)")
-    return values[0] if len(values) == 1 else values
 
 
 def _nodes(driver: Any, graph: Any) -> list[int]:

@@ -43,6 +43,7 @@ from torch import nn
 from ..checks import check_int
 from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
+from .control import capture_pool
 from .ending import end_abandoned_capture
 from .nest import same_value, tree_leaves, tree_map
 
@@ -304,7 +305,7 @@ class PieceCapture:
                         hooks.register_module_forward_hook(self._pop)]
         self.stream.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(self.stream), torch.no_grad():
+            with torch.cuda.stream(self.stream), torch.no_grad(), capture_pool(self.pool):
                 self._begin()
                 out = fn()
                 self._end()

@@ -38,7 +38,8 @@ from .buckets import Buckets, apply_cuts, learn_cuts, resize
 from .compare import check_later_replay, check_padding, rtol_for
 from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
-from .inspect import NODE_COLUMNS, cuda_driver, node_table
+from .cudadriver import cuda_driver
+from .inspect import NODE_COLUMNS, node_table
 from .nest import same_value, tree_map
 from .piecewise import BreakPlan, PiecewiseGraph
 from .signature import ArgSpec, Binder, Call, check_inputs

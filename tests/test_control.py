@@ -1,0 +1,107 @@
+"""Control flow on the device, the parts that run without a GPU: while_node/if_node argument checks and
+their eager (Python-loop) meaning, and StopTokenDecoder against transformers' EOS-stopping generate."""
+
+import pytest
+import torch
+from simulation import SimulatedBackend
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import cgutils as cg
+from cgutils.errors import InputError
+from cgutils.generation_stop import StopTokenDecoder, hf_generate_until_eos
+
+
+def test_while_node_eager_runs_while_the_condition_holds_and_stops_at_max_iters():
+    x, cond = torch.zeros(1), torch.ones(1, dtype=torch.bool)
+
+    def body():
+        x.add_(1)
+        cond.copy_(x < 5)
+
+    assert int(cg.while_node(cond, body, max_iters=100)) == 5 and int(x) == 5
+    cond.fill_(True)
+    assert int(cg.while_node(cond, lambda: x.add_(1), max_iters=3)) == 3 and int(x) == 8  # never clears: capped
+    assert int(cg.while_node(torch.zeros(1, dtype=torch.int32), body, max_iters=3)) == 0
+
+
+def test_if_node_eager_runs_one_branch():
+    seen = []
+    cg.if_node(torch.tensor([True]), lambda: seen.append("then"), lambda: seen.append("else"))
+    cg.if_node(torch.tensor([0], dtype=torch.int64), lambda: seen.append("then"), lambda: seen.append("else"))
+    cg.if_node(torch.tensor([False]), lambda: seen.append("then"))
+    assert seen == ["then", "else"]
+
+
+@pytest.mark.parametrize("cond,match", [
+    (torch.ones(2, dtype=torch.bool), "one-element"),
+    (torch.ones(1), "bool or integer"),
+    (1, "got int"),
+])
+def test_conditions_are_checked(cond, match):
+    with pytest.raises(InputError, match=match):
+        cg.while_node(cond, lambda: None, max_iters=1)
+    with pytest.raises(InputError, match=match):
+        cg.if_node(cond, lambda: None)
+
+
+def test_loop_arguments_are_checked():
+    cond = torch.ones(1, dtype=torch.bool)
+    with pytest.raises(InputError, match="max_iters must be an int >= 0"):
+        cg.while_node(cond, lambda: None, max_iters=-1)
+    with pytest.raises(TypeError):
+        cg.while_node(cond, lambda: None)  # max_iters is required: an unbounded loop could hang the GPU
+    with pytest.raises(InputError, match="body must be a function"):
+        cg.while_node(cond, "step", max_iters=1)
+    with pytest.raises(InputError, match="else_body must be a function"):
+        cg.if_node(cond, lambda: None, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).eval()
+
+
+def _eos_for(model, prompt, after=3):
+    """A token that row 0 emits first at some step >= ``after`` of plain greedy decoding (so EOS stopping
+    matters), and that step."""
+    row = cg.hf_generate(model, prompt, 20)[0, prompt.shape[1]:].tolist()
+    step = next(i for i in range(after, len(row)) if row[i] not in row[:i])
+    return row[step], step
+
+
+@pytest.mark.parametrize("loop", ["eager", "host", "device"])
+def test_stop_token_decoder_equals_transformers(tiny, loop):
+    # seed 6: row 0 turns to a new token at step 6, rows 1 and 2 never emit it (they run to the limit)
+    prompt = torch.randint(0, tiny.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(6))
+    eos, step = _eos_for(tiny, prompt)
+    expected = hf_generate_until_eos(tiny, prompt, 20, eos)
+    dec = StopTokenDecoder(tiny, eos, loop=loop, backend=SimulatedBackend())
+    got = dec.generate(prompt, 20)
+    assert torch.equal(got, expected), (got, expected)
+    assert (got[0, 6:] == eos).nonzero()[0].item() == step and (got[0, 6 + step:] == eos).all()  # row 0 ended there
+    if loop == "device":
+        assert dec.last_launches == 1 and dec.last_syncs == 1
+    elif loop == "host":
+        assert dec.last_launches == got.shape[1] - 6 and dec.last_syncs == dec.last_launches + 1
+
+
+def test_stop_token_decoder_without_eos_runs_to_the_limit(tiny):
+    prompt = torch.randint(0, tiny.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(6))
+    dec = StopTokenDecoder(tiny, eos_token_id=tiny.config.vocab_size - 1, loop="device", backend=SimulatedBackend())
+    got = dec.generate(prompt, 12)
+    assert got.shape == (1, 16) and torch.equal(got, cg.hf_generate(tiny, prompt, 12))
+
+
+def test_stop_token_decoder_rejects_bad_arguments(tiny):
+    with pytest.raises(InputError, match="loop must be one of"):
+        StopTokenDecoder(tiny, 1, loop="gpu")
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        StopTokenDecoder(tiny, tiny.config.vocab_size)
+    with pytest.raises(InputError, match="needs the model on a CUDA device"):
+        StopTokenDecoder(tiny, 1, loop="device")
+    with pytest.raises(InputError, match="GPT2LMHeadModel"):
+        StopTokenDecoder(torch.nn.Linear(2, 2), 1)
+    dec = StopTokenDecoder(tiny, 1, loop="eager")
+    with pytest.raises(InputError, match="token ids must lie"):
+        dec.generate(torch.tensor([[tiny.config.vocab_size]]), 3)

@@ -1,0 +1,187 @@
+"""GPU tests (``pytest -m gpu``) for WHILE/IF conditional nodes inside torch captures and GraphRunner, and
+for StopTokenDecoder's one launch per sequence."""
+
+import pytest
+import torch
+from torch import nn
+
+import cgutils as cg
+from cgutils.errors import CaptureError, CgutilsError, InputError
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("cuda.bindings")
+
+
+def _graph(fn):
+    """Capture ``fn(pool)`` in a plain torch capture after one eager warm-up call."""
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(None)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        fn(g)
+    return g
+
+
+def test_while_node_repeats_the_body_until_the_condition_clears():
+    x = torch.zeros(1, device="cuda")
+    n = torch.tensor([10.0], device="cuda")
+    cond = torch.ones(1, dtype=torch.bool, device="cuda")
+    held = {}
+
+    def fn(pool):
+        x.zero_()
+        cond.copy_(x < n)
+
+        def body():
+            x.add_(1)
+            cond.copy_(x < n)
+
+        held["count"] = cg.while_node(cond, body, max_iters=1000, pool=pool)
+
+    g = _graph(fn)
+    for target in (10, 1000 - 3, 0, 37):
+        n.fill_(target)
+        g.replay()
+        torch.cuda.synchronize()
+        assert int(x) == target and int(held["count"]) == target
+
+
+def test_while_node_body_with_temporaries_equals_eager():
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) / 8
+    state = torch.randn(64, 8, device="cuda", dtype=torch.bfloat16)
+    start = state.clone()
+    i = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cond = torch.ones(1, dtype=torch.bool, device="cuda")
+
+    def fn(pool):
+        state.copy_(start)
+        i.zero_()
+        cond.fill_(True)
+
+        def body():
+            state.copy_(torch.tanh(w @ state) + 0.5 * state)  # temporaries from the capture's pool
+            i.add_(1)
+            cond.copy_(i < 100)
+
+        cg.while_node(cond, body, max_iters=1000, pool=pool)
+
+    g = _graph(fn)
+    state.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    expected = start.clone()
+    for _ in range(100):
+        expected = torch.tanh(w @ expected) + 0.5 * expected
+    assert torch.equal(state, expected)
+
+
+def test_max_iters_stops_a_loop_whose_condition_never_clears():
+    x = torch.zeros(1, device="cuda")
+    cond = torch.ones(1, dtype=torch.int32, device="cuda")
+
+    def fn(pool):
+        x.zero_()
+        cg.while_node(cond, lambda: x.add_(1), max_iters=7, pool=pool)
+
+    g = _graph(fn)
+    g.replay()
+    torch.cuda.synchronize()
+    assert int(x) == 7
+
+
+def test_if_node_runs_only_the_chosen_branch():
+    pred = torch.ones(1, dtype=torch.bool, device="cuda")
+    a, b = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+
+    def fn(pool):
+        cg.if_node(pred, lambda: a.add_(1), lambda: b.add_(1), pool=pool)
+
+    g = _graph(fn)
+    a.zero_(), b.zero_()
+    for p in (True, False, False, True, True):
+        pred.fill_(p)
+        g.replay()
+    torch.cuda.synchronize()
+    assert (int(a), int(b)) == (3, 2)
+
+
+def test_a_plain_capture_without_the_pool_is_told_how():
+    if hasattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph"):
+        pytest.skip("torch >= 2.14 finds the capturing graph itself")
+    cond = torch.ones(1, dtype=torch.bool, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(InputError, match="pool=g.pool()"):
+        with torch.cuda.graph(g):
+            cg.while_node(cond, lambda: None, max_iters=1)
+    torch.randn(3, device="cuda")  # the caller's state is usable
+
+
+class Collatz(nn.Module):
+    """Steps of the Collatz map until 1: how many depends on the data, so only a device loop can graph it."""
+
+    def forward(self, n):
+        n = n.clone()
+        steps = torch.zeros_like(n)
+        cond = (n != 1).any().reshape(1)
+
+        def body():
+            odd = n % 2 == 1
+            live = n != 1
+            n.copy_(torch.where(live, torch.where(odd, 3 * n + 1, n // 2), n))
+            steps.add_(live.long())
+            cond.copy_((n != 1).any().reshape(1))
+
+        cg.while_node(cond, body, max_iters=1000)
+        return steps
+
+
+def test_while_node_inside_graph_runner_is_validated_and_follows_the_data():
+    runner = cg.GraphRunner(Collatz())
+    for values, expected in (([6, 7, 1], [8, 16, 0]), ([27, 2, 3], [111, 1, 7])):
+        out = runner(torch.tensor(values, device="cuda"))
+        assert out.tolist() == expected
+    assert runner.stats.graphs == 1 and runner.stats.replays >= 1
+
+
+def test_a_body_that_syncs_fails_cleanly_and_capture_works_again():
+    cond = torch.ones(1, dtype=torch.bool, device="cuda")
+    x = torch.zeros(1, device="cuda")
+
+    def bad(x):
+        c = cond.clone()
+        cg.while_node(c, lambda: c.fill_(bool(x.item() > 5)), max_iters=3)
+        return x + 1
+
+    stream = torch.cuda.current_stream()
+    with pytest.raises((CaptureError, CgutilsError)):
+        cg.GraphRunner(bad)(x)
+    assert torch.cuda.current_stream() == stream
+    assert cg.GraphRunner(lambda x: x * 2)(x).item() == 0.0
+
+
+def test_stop_token_decoder_one_launch_per_sequence_equals_transformers(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from cgutils.generation_stop import StopTokenDecoder, hf_generate_until_eos
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).cuda().eval()
+    prompt = torch.randint(0, model.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(6)).cuda()
+    free = cg.hf_generate(model, prompt, 20)[0, 6:].tolist()
+    step = next(i for i in range(3, 20) if free[i] not in free[:i])
+    eos = free[step]
+    expected = hf_generate_until_eos(model, prompt, 20, eos)
+    for loop in ("device", "host", "eager"):
+        dec = StopTokenDecoder(model, eos, loop=loop)
+        got = dec.generate(prompt, 20)
+        assert torch.equal(got, expected), loop
+    dec = StopTokenDecoder(model, eos, loop="device")
+    dec.generate(prompt, 20)
+    path = cg.profile(lambda: dec.generate(prompt, 20), tmp_path / "seq.json.gz", warmup=1, active=1)
+    calls = cg.load_trace(path).runtime_calls() if hasattr(cg.load_trace(path), "runtime_calls") else None
+    launches = cg.load_trace(path).links()
+    assert launches[launches.call.str.contains("GraphLaunch")].correlation.nunique() == 1
+    del calls
