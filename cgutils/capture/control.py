@@ -171,16 +171,20 @@ def _launch(name: str, stream: Any, handle: Any, cond: torch.Tensor, *extra: tup
 
 def _pool(pool: Any) -> tuple[int, int]:
     if pool is not None:
-        return tuple(pool.pool()) if hasattr(pool, "pool") else tuple(pool)
+        if not (isinstance(pool, tuple) and len(pool) == 2):
+            raise InputError(f"pool must be the memory-pool handle the capture records into (a pair from "
+                             f"torch.cuda.graph_pool_handle()), got {type(pool).__name__}")
+        return pool
     stack = getattr(_pools, "stack", None)
     if stack:
         return stack[-1]
     current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)  # torch >= 2.14
     if current is not None:
         return tuple(current().pool())
-    raise InputError("a conditional node inside a plain torch.cuda.graph capture needs the capture's memory pool: "
-                     "pass pool=g.pool() (g: the torch.cuda.CUDAGraph being captured), or capture with "
-                     "cgutils.GraphRunner, which passes it")
+    raise InputError("a conditional node inside a plain torch.cuda.graph capture needs the capture's memory pool "
+                     "(torch 2.11 cannot tell it during capture): capture with h = torch.cuda.graph_pool_handle(); "
+                     "torch.cuda.graph(g, pool=h) and pass pool=h, or capture with cgutils.GraphRunner, which "
+                     "passes its own")
 
 
 def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]], pool: Any,
@@ -233,9 +237,13 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                         body()
                         if kind == "while":
                             _launch("cg_loop_next", b, handle, cond, *loop)
-                    finally:
-                        err, *_ = driver.cuStreamEndCapture(b)
+                    except BaseException:
+                        driver.cuStreamEndCapture(b)
+                        _empty(driver, body_graph)
+                        raise
+                    err, *_ = driver.cuStreamEndCapture(b)
                     if err != driver.CUresult.CUDA_SUCCESS:
+                        _empty(driver, body_graph)
                         raise CgutilsError(f"capturing the body of a {kind.upper()} node failed ({err.name}): the "
                                            f"body did something a graph cannot hold (a host sync such as .item(), "
                                            f"a CPU copy) or used a stream other than the current one")
@@ -246,6 +254,16 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
         torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool)
         torch._C._cuda_releasePool(device, pool)
     return count
+
+
+def _empty(driver: Any, graph: Any) -> None:
+    """Remove what a failed body capture left in a body graph: the capture around it then ends with a graph
+    that instantiates (a half-captured body crashed the driver at instantiation, measured on the H200)."""
+    err, nodes, count = driver.cuGraphGetNodes(graph, 0)
+    if err == driver.CUresult.CUDA_SUCCESS and count:
+        err, nodes, count = driver.cuGraphGetNodes(graph, count)
+        for node in nodes[:count]:
+            driver.cuGraphDestroyNode(node)
 
 
 def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, pool: Any = None) -> torch.Tensor:
@@ -261,8 +279,8 @@ def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, p
         body: a function of no arguments, capturable (no ``.item()``, no host copies, no new streams).
         max_iters: the most iterations (>= 0): a loop whose condition never clears stops there instead of
             hanging the GPU.
-        pool: the memory pool of a plain ``torch.cuda.graph`` capture (its ``CUDAGraph`` or ``g.pool()``);
-            GraphRunner and GreedyDecoder pass theirs.
+        pool: in a plain ``torch.cuda.graph(g, pool=h)`` capture, ``h`` (from ``torch.cuda.graph_pool_handle()``);
+            GraphRunner and StopTokenDecoder pass their own.
 
     Returns:
         ``(1,)`` int32 tensor on ``cond``'s device: the iterations run (after each replay, under capture).
