@@ -239,11 +239,11 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                             _launch("cg_loop_next", b, handle, cond, *loop)
                     except BaseException:
                         driver.cuStreamEndCapture(b)
-                        _empty(driver, body_graph)
+                        _abandon(driver, body_graph, s)
                         raise
                     err, *_ = driver.cuStreamEndCapture(b)
                     if err != driver.CUresult.CUDA_SUCCESS:
-                        _empty(driver, body_graph)
+                        _abandon(driver, body_graph, s)
                         raise CgutilsError(f"capturing the body of a {kind.upper()} node failed ({err.name}): the "
                                            f"body did something a graph cannot hold (a host sync such as .item(), "
                                            f"a CPU copy) or used a stream other than the current one")
@@ -256,14 +256,16 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
     return count
 
 
-def _empty(driver: Any, graph: Any) -> None:
-    """Remove what a failed body capture left in a body graph: the capture around it then ends with a graph
-    that instantiates (a half-captured body crashed the driver at instantiation, measured on the H200)."""
+def _abandon(driver: Any, graph: Any, capture_stream: Any) -> None:
+    """After a body failed to capture: remove what it left in its body graph, and invalidate the capture
+    around it (a stream sync is illegal while capturing), so that capture ends with an error instead of
+    instantiating a graph that holds a half-captured body (that crashed the process, measured on the H200)."""
     err, nodes, count = driver.cuGraphGetNodes(graph, 0)
     if err == driver.CUresult.CUDA_SUCCESS and count:
         err, nodes, count = driver.cuGraphGetNodes(graph, count)
         for node in nodes[:count]:
             driver.cuGraphDestroyNode(node)
+    driver.cuStreamSynchronize(capture_stream)
 
 
 def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, pool: Any = None) -> torch.Tensor:
