@@ -151,6 +151,26 @@ def _on_body_stream(cond: torch.Tensor) -> Iterator[None]:
         current.wait_stream(side)
 
 
+def _run_eagerly(what: str, body: Callable[[], Any]) -> None:
+    """Run a body outside capture with CUDA's sync check on: a body that syncs is refused here, in the
+    warm-up, because under capture it failed on a side stream and crashed the process (torch 2.11, H200)."""
+    if not torch.cuda.is_available():
+        body()
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        body()
+    except RuntimeError as exc:
+        if "synchronizing" not in str(exc):
+            raise
+        raise InputError(f"the body of {what} made a host sync ({str(exc).splitlines()[0]}); a conditional node's "
+                         f"body runs on the GPU and cannot wait for the host: keep .item(), bool(tensor), "
+                         f"printing and CPU copies out of it (cgutils.find_sync_points(body) lists them)") from exc
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 def _check_condition(name: str, cond: Any) -> None:
     if not isinstance(cond, torch.Tensor) or cond.numel() != 1 or cond.dtype not in _CONDITION_DTYPES:
         got = f"{cond.dtype} tensor of shape {tuple(cond.shape)}" if isinstance(cond, torch.Tensor) else type(cond).__name__
@@ -301,7 +321,7 @@ def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, p
     done = 0
     with _on_body_stream(cond):
         while done < max_iters and bool(cond.reshape(())):
-            body()
+            _run_eagerly("while_node", body)
             done += 1
     return torch.full((1,), done, dtype=torch.int32, device=cond.device)
 
@@ -331,6 +351,6 @@ def if_node(pred: torch.Tensor, body: Callable[[], Any], else_body: Callable[[],
         return
     with _on_body_stream(pred):
         if bool(pred.reshape(())):
-            body()
+            _run_eagerly("if_node", body)
         elif else_body is not None:
-            else_body()
+            _run_eagerly("if_node", else_body)
