@@ -55,7 +55,7 @@ from .errors import (
     TraceFormatError,
 )
 from .generation import GreedyDecoder, StaticKVState, hf_generate
-from .generation_stop import StopTokenDecoder
+from .generation_stop import StopTokenDecoder, hf_generate_until_eos
 from .overhead import gpu_activity, runtime_calls
 from .pitfalls import PITFALLS, DropoutNet, Scaled
 from .recorded import setup_notebook
@@ -71,7 +71,7 @@ __all__ = [
     # inside the graph, piecewise capture
     "node_table", "node_counts", "node_times", "time_by_module", "to_dot", "NodeAttribution", "PiecewiseGraph",
     # control flow on the device
-    "while_node", "if_node", "StopTokenDecoder",
+    "while_node", "if_node", "StopTokenDecoder", "hf_generate_until_eos",
     # diagnosis and the pitfall catalogue
     "explain", "find_sync_points", "user_code", "SyncPoint", "SyncRecorder", "PITFALLS", "DropoutNet", "Scaled",
     # errors
