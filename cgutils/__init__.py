@@ -36,6 +36,7 @@ from .capture import (
     node_times,
     pool_reserved_bytes,
     reset_rng_after_failed_capture,
+    short_kernel_name,
     time_by_module,
     to_dot,
     validate_replay,
@@ -69,7 +70,8 @@ __all__ = [
     "GraphRunner", "RunnerStats", "GraphInfo", "CudaBackend", "capture_graph", "pool_reserved_bytes",
     "reset_rng_after_failed_capture", "graph_node_types", "max_rel_error", "validate_replay",
     # inside the graph, piecewise capture
-    "node_table", "node_counts", "node_times", "time_by_module", "to_dot", "NodeAttribution", "PiecewiseGraph",
+    "node_table", "node_counts", "node_times", "time_by_module", "to_dot", "short_kernel_name", "NodeAttribution",
+    "PiecewiseGraph",
     # control flow on the device
     "while_node", "if_node", "StopTokenDecoder", "hf_generate_until_eos",
     # diagnosis and the pitfall catalogue

@@ -14,6 +14,7 @@ token for token in the GPU tests and notebook 10).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -148,12 +149,16 @@ class StopTokenDecoder:
         return self._slots[key]
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, max_new_tokens: int = 100) -> torch.Tensor:
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int = 100, *,
+                 timings: dict | None = None) -> torch.Tensor:
         """Greedy continuation of ``prompt`` until EOS in every row or ``max_new_tokens``.
 
         Args:
             prompt: (B, T) int64 token ids in ``[0, vocab)`` on the model's device.
             max_new_tokens: the most tokens to generate (>= 1); the first comes from the prefill.
+            timings: if a dict is given, ``first_token_ms`` and ``last_token_ms`` are set in it: host wall
+                time (ms, from the call's start after the input checks) until the first and the last token
+                could be read on the host. With ``loop="device"`` both come at the end of the one launch.
 
         Returns:
             (B, T + n) int64, 1 <= n <= ``max_new_tokens``: the prompt and the generated tokens, finished
@@ -184,6 +189,8 @@ class StopTokenDecoder:
                         f"GPT-2 holds at most {n_pos} positions: shorten the prompt or generate fewer tokens"
                         if T + max_new_tokens > n_pos else "pass a larger length_buckets=(..., n)")
         state, start, step = self._slot(B, T, S)
+        t0 = time.perf_counter()
+        first = None
         state.prompt.copy_(torch.cat([prompt, prompt[-1:].expand(B - b, T)]) if B > b else prompt)
         state.limit.fill_(T + max_new_tokens)
         start()
@@ -191,11 +198,16 @@ class StopTokenDecoder:
         if step is not None:  # stop check on the host: one sync per step
             while True:
                 syncs += 1
-                if not bool(state.running):
+                running = bool(state.running)
+                first = first if first is not None else time.perf_counter()  # the prefill's token is readable
+                if not running:
                     break
                 step()
                 launches += self.loop == "host"
         length = int(state.pos) + 1  # the one sync of loop="device"
+        last = time.perf_counter()
+        if timings is not None:
+            timings.update(first_token_ms=((first or last) - t0) * 1e3, last_token_ms=(last - t0) * 1e3)
         self.last_launches, self.last_syncs = launches, syncs + 1
         return state.generated[:b, :length].clone()
 

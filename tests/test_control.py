@@ -80,8 +80,12 @@ def test_stop_token_decoder_equals_transformers(tiny, loop):
     got = dec.generate(prompt, 20)
     assert torch.equal(got, expected), (got, expected)
     assert (got[0, 6:] == eos).nonzero()[0].item() == step and (got[0, 6 + step:] == eos).all()  # row 0 ended there
+    timings = {}
+    dec.generate(prompt, 20, timings=timings)
+    assert 0 < timings["first_token_ms"] <= timings["last_token_ms"]
     if loop == "device":
         assert dec.last_launches == 1 and dec.last_syncs == 1
+        assert timings["first_token_ms"] == timings["last_token_ms"]  # nothing readable before the end
     elif loop == "host":
         assert dec.last_launches == got.shape[1] - 6 and dec.last_syncs == dec.last_launches + 1
 

@@ -184,11 +184,11 @@ def test_capture_error_marks_the_failing_line():
     assert "isfinite" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="known issue (H200, 2026-12-01): the CaptureError names a legacy-stream "
-                   "dependency instead of the model's ValueError; the double pool release no longer aborts")
 def test_auto_breaks_with_an_ordinary_error_raise_it_and_leave_state_alone():
     """An ordinary error while "auto" tried a capture: the throw-away pool was released by hand and again by
-    the graph's destructor (a double release in the allocator)."""
+    the graph's destructor (a double release in the allocator); then the caller's stream was made to wait on
+    the still-capturing stream, an error ("legacy stream depend on a capturing blocking stream") that hid the
+    model's own."""
     import gc
 
     class FailsWhenCaptured(nn.Module):

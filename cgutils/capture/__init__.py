@@ -25,6 +25,7 @@ from .inspect import (
     node_counts,
     node_table,
     node_times,
+    short_kernel_name,
     time_by_module,
     to_dot,
 )
@@ -39,5 +40,5 @@ __all__ = [
     "reset_rng_after_failed_capture", "max_rel_error", "validate_replay", "graph_node_types", "Buckets",
     "pick_bucket", "ArgSpec", "Call", "bind_names", "check_inputs", "tree_map", "tree_leaves",
     "NODE_COLUMNS", "NodeAttribution", "kernel_family", "node_counts", "node_table", "node_times", "time_by_module",
-    "to_dot", "Break", "BreakPlan", "PiecewiseGraph", "while_node", "if_node",
+    "to_dot", "short_kernel_name", "Break", "BreakPlan", "PiecewiseGraph", "while_node", "if_node",
 ]

@@ -312,9 +312,13 @@ class PieceCapture:
         finally:
             for h in handles:
                 h.remove()
-            # on every path: the caller's stream must not run ahead of work queued on the capture stream
-            # (the eager breaks and the pieces replayed during capture)
-            torch.cuda.current_stream().wait_stream(self.stream)
+            # the caller's stream must not run ahead of work queued on the capture stream (the eager breaks
+            # and the pieces replayed during capture). While a capture is still open (an error inside a piece)
+            # that wait would itself be captured, and from the legacy stream it is an error that hid the
+            # model's own ("would make the legacy stream depend on a capturing blocking stream", H200): then
+            # abandon() waits once the capture is ended.
+            if self.current is None:
+                torch.cuda.current_stream().wait_stream(self.stream)
         return out
 
     def abandon(self, release: bool = False) -> None:
@@ -323,6 +327,7 @@ class PieceCapture:
         if self.current is not None:
             end_abandoned_capture(self.current, self.stream, self.pool, release=release)
             self.current = None
+            torch.cuda.current_stream().wait_stream(self.stream)
 
     def _begin(self) -> None:
         self.current = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graph else torch.cuda.CUDAGraph()
