@@ -109,3 +109,22 @@ def test_stop_token_decoder_rejects_bad_arguments(tiny):
     dec = StopTokenDecoder(tiny, 1, loop="eager")
     with pytest.raises(InputError, match="token ids must lie"):
         dec.generate(torch.tensor([[tiny.config.vocab_size]]), 3)
+
+
+def test_recorded_device_loop_meets_the_targets():
+    """The H200 recording of notebook 10: one graph launch per sequence (trace), tokens equal transformers
+    for every loop, the stop at the chosen EOS, and the WHILE node's loop count following the data."""
+    from cgutils.store import current_store
+
+    store = current_store()
+    check = store.load_value("control_generation_check")
+    assert check["trace_graph_launches"] == check["device_graph_launches"] == 1 and check["device_syncs"] == 1
+    assert all(check[f"{loop}_tokens_equal"] for loop in ("device", "host", "eager"))
+    assert check["host_graph_launches"] == check["new_tokens"]  # the prefill graph, then one per further token
+    if check["stop_step"] is not None:
+        assert check["new_tokens"] == check["stop_step"] + 1
+    rows = store.load_frame("control_while_rows")
+    assert rows.equals_eager.all() and list(rows.iterations) == [7, 2, 20, 0]  # halvings that bring 100, 3, 1e6, 0.5 below 1
+    gen = store.load_frame("control_generation").set_index("variant")
+    assert gen.first_token_ms["device_loop"] == gen.last_token_ms["device_loop"]
+    assert gen.first_token_ms["host_loop"] < gen.last_token_ms["host_loop"]
