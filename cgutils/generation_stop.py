@@ -95,7 +95,8 @@ class StopTokenDecoder:
 
     Attributes:
         last_launches: graph launches of the last :meth:`generate` call.
-        last_syncs: host waits on the GPU in the last call (stop checks and the final length read).
+        last_syncs: host waits on the GPU in the last call: the token-id check of the prompt, the stop
+            checks, and the final length read (``loop="device"``: 2).
 
     Raises:
         InputError: unknown ``loop``; a CPU model with a graph loop; token ids outside the vocabulary.
@@ -127,6 +128,11 @@ class StopTokenDecoder:
         self._slots: dict[tuple[int, int, int], tuple[StopState, Any, Any]] = {}
         self._pool = backend.new_pool() if loop != "eager" else None
         self.last_launches = self.last_syncs = 0
+
+    @property
+    def slots(self) -> list[tuple[int, int, int]]:
+        """(batch bucket, prompt length, length bucket) of each graph (set of graphs) kept so far."""
+        return list(self._slots)
 
     def _slot(self, batch: int, prompt_len: int, max_len: int) -> tuple[StopState, Any, Any]:
         key = (batch, prompt_len, max_len)
@@ -176,11 +182,13 @@ class StopTokenDecoder:
         if prompt.device != dev:
             raise InputError(f"prompt is on {prompt.device} but the model is on {dev}; use prompt.to({str(dev)!r})")
         check_int("max_new_tokens", max_new_tokens, minimum=1)
+        if timings is not None and not isinstance(timings, dict):
+            raise InputError(f"timings must be a dict to fill in, got {type(timings).__name__}")
         b, T = prompt.shape
         if b == 0 or T == 0:
             raise InputError(f"prompt must hold at least one row and one token, got shape {tuple(prompt.shape)}")
         vocab = self.model.config.vocab_size
-        lo, hi = int(prompt.min()), int(prompt.max())  # a sync, before any graph
+        lo, hi = torch.stack(torch.aminmax(prompt)).tolist()  # one sync, counted in last_syncs
         if lo < 0 or hi >= vocab:
             raise InputError(f"token ids must lie in [0, {vocab}), got values from {lo} to {hi}")
         n_pos = self.model.config.n_positions
@@ -194,7 +202,7 @@ class StopTokenDecoder:
         state.prompt.copy_(torch.cat([prompt, prompt[-1:].expand(B - b, T)]) if B > b else prompt)
         state.limit.fill_(T + max_new_tokens)
         start()
-        launches, syncs = (1, 0) if self.loop != "eager" else (0, 0)
+        launches, syncs = (1, 1) if self.loop != "eager" else (0, 1)  # syncs: the token-id check above
         if step is not None:  # stop check on the host: one sync per step
             while True:
                 syncs += 1

@@ -79,15 +79,16 @@ def test_stop_token_decoder_equals_transformers(tiny, loop):
     dec = StopTokenDecoder(tiny, eos, loop=loop, backend=SimulatedBackend())
     got = dec.generate(prompt, 20)
     assert torch.equal(got, expected), (got, expected)
+    assert dec.slots == [(4, 6, 128)]  # batch bucket, prompt length, length bucket
     assert (got[0, 6:] == eos).nonzero()[0].item() == step and (got[0, 6 + step:] == eos).all()  # row 0 ended there
     timings = {}
     dec.generate(prompt, 20, timings=timings)
     assert 0 < timings["first_token_ms"] <= timings["last_token_ms"]
     if loop == "device":
-        assert dec.last_launches == 1 and dec.last_syncs == 1
+        assert dec.last_launches == 1 and dec.last_syncs == 2  # the prompt's token-id check, the length
         assert timings["first_token_ms"] == timings["last_token_ms"]  # nothing readable before the end
     elif loop == "host":
-        assert dec.last_launches == got.shape[1] - 6 and dec.last_syncs == dec.last_launches + 1
+        assert dec.last_launches == got.shape[1] - 6 and dec.last_syncs == dec.last_launches + 2
 
 
 def test_stop_token_decoder_without_eos_runs_to_the_limit(tiny):
@@ -107,6 +108,8 @@ def test_stop_token_decoder_rejects_bad_arguments(tiny):
     with pytest.raises(InputError, match="GPT2LMHeadModel"):
         StopTokenDecoder(torch.nn.Linear(2, 2), 1)
     dec = StopTokenDecoder(tiny, 1, loop="eager")
+    with pytest.raises(InputError, match="timings must be a dict"):
+        dec.generate(torch.zeros(1, 3, dtype=torch.int64), 3, timings=[])
     with pytest.raises(InputError, match="token ids must lie"):
         dec.generate(torch.tensor([[tiny.config.vocab_size]]), 3)
 
@@ -118,7 +121,7 @@ def test_recorded_device_loop_meets_the_targets():
 
     store = current_store()
     check = store.load_value("control_generation_check")
-    assert check["trace_graph_launches"] == check["device_graph_launches"] == 1 and check["device_syncs"] == 1
+    assert check["trace_graph_launches"] == check["device_graph_launches"] == 1 and check["device_syncs"] == 2
     assert all(check[f"{loop}_tokens_equal"] for loop in ("device", "host", "eager"))
     assert check["host_graph_launches"] == check["new_tokens"]  # the prefill graph, then one per further token
     if check["stop_step"] is not None:
