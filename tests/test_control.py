@@ -131,3 +131,63 @@ def test_recorded_device_loop_meets_the_targets():
     gen = store.load_frame("control_generation").set_index("variant")
     assert gen.first_token_ms["device_loop"] == gen.last_token_ms["device_loop"]
     assert gen.first_token_ms["host_loop"] < gen.last_token_ms["host_loop"]
+
+
+def test_nested_loops_run_eagerly_and_know_they_are_inside_a_body():
+    from cgutils.capture.control import inside_body
+
+    total, outer, inner = torch.zeros(1), torch.ones(1, dtype=torch.bool), torch.ones(1, dtype=torch.bool)
+    i, seen = torch.zeros(1), []
+
+    def inner_body():
+        total.add_(1)
+        inner.copy_(total % 3 != 0)
+
+    def outer_body():
+        seen.append(inside_body())
+        inner.fill_(True)
+        cg.while_node(inner, inner_body, max_iters=10)
+        i.add_(1)
+        outer.copy_(i < 4)
+
+    assert not inside_body()
+    cg.while_node(outer, outer_body, max_iters=10)
+    assert int(total) == 12 and int(i) == 4 and seen == [True] * 4 and not inside_body()
+
+
+def test_a_cpu_loop_leaves_cuda_alone(monkeypatch):
+    """The warm-up's sync check switched CUDA's process-wide sync debug mode even for CPU tensors, which
+    initialises CUDA (a forked data-loader worker then fails)."""
+    def touched(*_):
+        raise AssertionError("CUDA touched")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", touched)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", touched)
+    x, cond = torch.zeros(1), torch.ones(1, dtype=torch.bool)
+    cg.while_node(cond, lambda: (x.add_(1), cond.copy_(x < 3)), max_iters=10)
+    cg.if_node(cond, lambda: None, lambda: x.add_(1))
+    assert int(x) == 4
+
+
+def test_more_argument_checks():
+    cond = torch.ones(1, dtype=torch.bool)
+    with pytest.raises(InputError, match="max_iters must be <= 2147483647"):
+        cg.while_node(cond, lambda: None, max_iters=2**31)  # wrapped to a negative C int on the GPU
+    with pytest.raises(InputError, match="body must be a function"):
+        cg.if_node(cond, None)
+    with pytest.raises(InputError, match="is on meta"):
+        cg.while_node(torch.ones(1, dtype=torch.bool, device="meta"), lambda: None, max_iters=1)
+    if hasattr(torch, "uint16"):
+        assert int(cg.while_node(torch.zeros(1, dtype=torch.uint16), lambda: None, max_iters=1)) == 0
+
+
+def test_conditional_nodes_need_cuda_bindings_13(monkeypatch):
+    pytest.importorskip("cuda.bindings")
+    from cuda import bindings
+
+    from cgutils.capture.control import _driver_for_nodes
+    from cgutils.errors import DependencyError
+    monkeypatch.setattr(bindings, "__version__", "12.9.0")
+    with pytest.raises(DependencyError, match="cuda-bindings 13"):
+        _driver_for_nodes()

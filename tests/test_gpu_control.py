@@ -184,3 +184,119 @@ def test_stop_token_decoder_one_launch_per_sequence_equals_transformers(tmp_path
     path = cg.profile(lambda: dec.generate(prompt, 20), tmp_path / "seq.json.gz", warmup=1, active=1)
     links = cg.load_trace(path).links()
     assert links[links.call.str.contains("GraphLaunch")].correlation.nunique() == 1
+
+
+def test_nested_while_nodes_are_captured():
+    """A while_node inside another's body reused the one body stream, which was already capturing."""
+    total = torch.zeros(1, device="cuda")
+    i = torch.zeros(1, device="cuda")
+    outer, inner = torch.ones(1, dtype=torch.bool, device="cuda"), torch.ones(1, dtype=torch.bool, device="cuda")
+
+    def fn(pool):
+        total.zero_(), i.zero_(), outer.fill_(True)
+
+        def inner_body():
+            total.add_(1)
+            inner.copy_(total % 3 != 0)
+
+        def outer_body():
+            inner.fill_(True)
+            cg.while_node(inner, inner_body, max_iters=10, pool=pool)
+            i.add_(1)
+            outer.copy_(i < 4)
+
+        cg.while_node(outer, outer_body, max_iters=10, pool=pool)
+
+    g = _graph(fn)
+    total.fill_(-1)
+    g.replay()
+    torch.cuda.synchronize()
+    assert (int(total), int(i)) == (12, 4)
+
+
+def test_a_syncing_branch_the_warm_up_never_took_is_refused_at_capture():
+    """The warm-up's sync check saw only the branch it ran; the other branch's sync reached the capture
+    and crashed the process."""
+    x = torch.ones(4, device="cuda")
+    pred = torch.zeros(1, dtype=torch.bool, device="cuda")
+
+    def f(x):
+        y = x * 2
+        cg.if_node(pred, lambda: y.fill_(float(y.sum().item())))  # never taken while warming up
+        return y
+
+    stream = torch.cuda.current_stream()
+    with pytest.raises((InputError, cg.CaptureError), match="wait for the GPU|host"):
+        cg.GraphRunner(f)(x)
+    assert torch.cuda.current_stream() == stream
+    assert cg.GraphRunner(lambda x: x * 3)(x).sum().item() == 12.0
+
+
+def test_two_threads_capture_conditional_nodes_at_once():
+    import threading
+
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            x = torch.zeros(1, device="cuda")
+            n = torch.tensor([float(10 * (k + 1))], device="cuda")
+
+            def f(x):
+                x = x.clone()
+                cond = (x < n).reshape(1)
+
+                def body():
+                    x.add_(1)
+                    cond.copy_(x < n)
+
+                cg.while_node(cond, body, max_iters=1000)
+                return x
+
+            runner = cg.GraphRunner(f)
+            results[k] = [float(runner(x)) for _ in range(3)]
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results == {0: [10.0] * 3, 1: [20.0] * 3}
+
+
+def test_a_wrong_pool_is_named_before_the_graph_is_touched():
+    cond = torch.ones(1, dtype=torch.bool, device="cuda")
+    g, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    other = torch.cuda.graph_pool_handle()
+    with pytest.raises(InputError, match="is not the memory pool"):
+        with torch.cuda.graph(g, pool=pool):
+            cg.while_node(cond, lambda: None, max_iters=1, pool=other)
+    torch.randn(3, device="cuda")
+
+
+def test_a_break_inside_a_conditional_body_is_refused():
+    class Guard(nn.Module):
+        def forward(self, x):
+            return x
+
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.guard = Guard()
+
+        def forward(self, x):
+            x = x.clone()
+            cond = (x < 3).any().reshape(1)
+
+            def body():
+                x.copy_(self.guard(x + 1))
+                cond.copy_((x < 3).any().reshape(1))
+
+            cg.while_node(cond, body, max_iters=10)
+            return x
+
+    with pytest.raises(cg.CaptureError, match="inside the body"):
+        cg.GraphRunner(Loop(), breaks=["guard"])(torch.zeros(2, device="cuda"))

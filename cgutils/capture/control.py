@@ -14,13 +14,19 @@ cuda-python, in the middle of a torch capture:
 3. add the conditional node after that kernel (``cuGraphAddNode``) and make the capture continue after
    the node (``cuStreamUpdateCaptureDependencies``);
 4. capture the body into the node's body graph on a second stream (``cuStreamBeginCaptureToGraph``),
-   with the caching allocator routing that stream's allocations to the capture's memory pool (as
-   torch 2.14's ``begin_capture_to_if_node`` does); a WHILE body ends with the kernel that sets the
-   handle again from the condition tensor, which the body has rewritten.
+   with the caching allocator routing this thread's allocations to the capture's memory pool (torch
+   2.14's ``begin_capture_to_if_node`` re-routes the same pool by the body's capture id); a WHILE body
+   ends with the kernel that sets the handle again from the condition tensor, which the body has
+   rewritten.
 
 The condition kernels are compiled once per device with NVRTC (``cuda.bindings.nvrtc``). Outside a
 capture (warm-up, eager validation) the same calls run a plain Python loop, so a function using them
 behaves the same eagerly (with a host sync per iteration) and captured (none).
+
+Bodies run, eagerly and under capture, with the tensor operations that wait for the GPU refused
+(:class:`_RefuseSyncs`): under capture such a sync failed on the body stream and the process crashed at
+the end of the capture (torch 2.11, H200). Conditional nodes nest: each depth of a thread has its own
+body stream.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checks import check_int
-from ..errors import CgutilsError, InputError
+from ..errors import CgutilsError, DependencyError, InputError
 from .cudadriver import check as _call
 from .cudadriver import cuda_driver
+from .poolscope import current_pool
 
 # Condition kernels: one thread reads the condition tensor's bytes (any non-zero byte: true, which is
 # right for bool and integer tensors) and sets the handle. The device-runtime function is declared here
@@ -63,24 +71,77 @@ extern "C" __global__ void cg_loop_next(cg_handle_t h, const unsigned char* cond
 }
 """
 _KERNELS = ("cg_set", "cg_loop_start", "cg_loop_next")
-_CONDITION_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_CONDITION_DTYPES = tuple(getattr(torch, n) for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16",
+                                                        "uint32", "uint64") if hasattr(torch, n))
+MAX_ITERS = 2**31 - 1  # the condition kernels count in a C int
+_IF_ELSE_DRIVER = 12080  # an IF node with an else body needs CUDA 12.8 (CUDA Runtime API, cudaConditionalNodeParams)
 
 _functions: dict[int, dict[str, Any]] = {}
-_streams: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
-_pools = threading.local()
+_local = threading.local()  # per thread: body streams by (device, depth), the nesting depth, condition reads
+
+
+def inside_body() -> bool:
+    """Whether this thread is running (or capturing) the body of a conditional node."""
+    return getattr(_local, "depth", 0) > 0
 
 
 @contextlib.contextmanager
-def capture_pool(pool: Any) -> Iterator[None]:
-    """Tell :func:`while_node` and :func:`if_node` which memory pool the capture in this thread records
-    into (:func:`~cgutils.capture.graph.capture_graph` does, for GraphRunner and GreedyDecoder)."""
-    stack = _pools.__dict__.setdefault("stack", [])
-    stack.append(tuple(pool))
+def _body() -> Iterator[None]:
+    """Run a body: one level deeper, with syncs refused."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        with _RefuseSyncs():
+            yield
+    finally:
+        _local.depth -= 1
+
+
+@contextlib.contextmanager
+def _reading_condition() -> Iterator[None]:
+    """The eager loop's own read of its condition: a sync that an enclosing body's check must allow."""
+    before = getattr(_local, "reading", False)
+    _local.reading = True
     try:
         yield
     finally:
-        stack.pop()
+        _local.reading = before
+
+
+def _sync_ops() -> set:
+    aten = torch.ops.aten
+    names = [("_local_scalar_dense", "default"), ("nonzero", "default"), ("masked_select", "default"),
+             ("_unique", "default"), ("_unique2", "default"), ("unique_dim", "default"),
+             ("unique_consecutive", "default"), ("repeat_interleave", "Tensor")]
+    return {getattr(getattr(aten, op), overload) for op, overload in names
+            if hasattr(aten, op) and hasattr(getattr(aten, op), overload)}
+
+
+class _RefuseSyncs(TorchDispatchMode):
+    """Refuse the tensor operations that make the host wait for a CUDA tensor: reading a value
+    (``.item()``, ``bool``, ``int``), data-dependent shapes (``nonzero``, ``masked_select``, ``unique``,
+    ``repeat_interleave`` without a size) and copies to the CPU. A dispatch mode applies to its own thread
+    only, unlike ``torch.cuda.set_sync_debug_mode``; it does not see ``torch.cuda.synchronize()``."""
+
+    _ops: set | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not getattr(_local, "reading", False):
+            if _RefuseSyncs._ops is None:
+                _RefuseSyncs._ops = _sync_ops()
+            cuda_in = any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+            to_cpu = (func is torch.ops.aten._to_copy.default and cuda_in
+                      and torch.device(kwargs.get("device") or "cuda").type == "cpu")
+            copy_back = (func is torch.ops.aten.copy_.default and len(args) > 1 and isinstance(args[0], torch.Tensor)
+                         and not args[0].is_cuda and isinstance(args[1], torch.Tensor) and args[1].is_cuda)
+            if (func in _RefuseSyncs._ops and cuda_in) or to_cpu or copy_back:
+                raise InputError(
+                    f"a conditional node's body made the host wait for the GPU ({func}): the body runs on the GPU "
+                    f"and cannot wait for the host. Keep .item(), bool(tensor), data-dependent shapes (nonzero, "
+                    f"masked_select, unique), printing and CPU copies out of it (cgutils.find_sync_points(body) "
+                    f"lists them)")
+        return func(*args, **kwargs)
 
 
 def _compile(capability: tuple[int, int]) -> bytes:
@@ -128,10 +189,13 @@ def _kernels(device: int) -> dict[str, Any]:
 
 
 def _body_stream(device: int) -> torch.cuda.Stream:
-    with _lock:
-        if device not in _streams:
-            _streams[device] = torch.cuda.Stream(device)
-        return _streams[device]
+    """This thread's body stream for ``device`` at the current nesting depth: a stream capturing one body
+    cannot capture another, and another thread's work must not land in this thread's body graph."""
+    streams = _local.__dict__.setdefault("streams", {})
+    key = (device, getattr(_local, "depth", 0))
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device)
+    return streams[key]
 
 
 @contextlib.contextmanager
@@ -141,7 +205,8 @@ def _on_body_stream(cond: torch.Tensor) -> Iterator[None]:
     if not cond.is_cuda:
         yield
         return
-    _kernels(cond.device.index)
+    with contextlib.suppress(DependencyError):  # the eager loop needs no kernel; a capture will say so
+        _kernels(cond.device.index)
     side, current = _body_stream(cond.device.index), torch.cuda.current_stream(cond.device)
     side.wait_stream(current)
     try:
@@ -151,34 +216,18 @@ def _on_body_stream(cond: torch.Tensor) -> Iterator[None]:
         current.wait_stream(side)
 
 
-def _run_eagerly(what: str, body: Callable[[], Any]) -> None:
-    """Run a body outside capture with CUDA's sync check on: a body that syncs is refused here, in the
-    warm-up, because under capture it failed on a side stream and crashed the process (torch 2.11, H200)."""
-    if not torch.cuda.is_available():
-        body()
-        return
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        body()
-    except RuntimeError as exc:
-        if "synchronizing" not in str(exc):
-            raise
-        raise InputError(f"the body of {what} made a host sync ({str(exc).splitlines()[0]}); a conditional node's "
-                         f"body runs on the GPU and cannot wait for the host: keep .item(), bool(tensor), "
-                         f"printing and CPU copies out of it (cgutils.find_sync_points(body) lists them)") from exc
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
+def _read(cond: torch.Tensor) -> bool:
+    with _reading_condition():
+        return bool(cond.reshape(()))
 
 
 def _check_condition(name: str, cond: Any) -> None:
+    if isinstance(cond, torch.Tensor) and cond.device.type not in ("cuda", "cpu"):
+        raise InputError(f"{name} is on {cond.device}; conditional nodes read it on a CUDA device (or, eagerly, the CPU)")
     if not isinstance(cond, torch.Tensor) or cond.numel() != 1 or cond.dtype not in _CONDITION_DTYPES:
         got = f"{cond.dtype} tensor of shape {tuple(cond.shape)}" if isinstance(cond, torch.Tensor) else type(cond).__name__
         raise InputError(f"{name} must be a one-element bool or integer tensor that the GPU writes, got {got}; "
                          f"make it with e.g. torch.ones(1, dtype=torch.bool, device='cuda')")
-    if cond.is_cuda and not cond.is_contiguous():
-        raise InputError(f"{name} must be contiguous (its bytes are read by a kernel); use .contiguous() once, "
-                         f"outside the captured code, and keep writing that tensor")
 
 
 def _launch(name: str, stream: Any, handle: Any, cond: torch.Tensor, *extra: tuple[Any, Any]) -> None:
@@ -195,9 +244,9 @@ def _pool(pool: Any) -> tuple[int, int]:
             raise InputError(f"pool must be the memory-pool handle the capture records into (a pair from "
                              f"torch.cuda.graph_pool_handle()), got {type(pool).__name__}")
         return pool
-    stack = getattr(_pools, "stack", None)
-    if stack:
-        return stack[-1]
+    announced = current_pool()
+    if announced is not None:
+        return announced
     current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)  # torch >= 2.14
     if current is not None:
         return tuple(current().pool())
@@ -210,82 +259,122 @@ def _pool(pool: Any) -> tuple[int, int]:
 def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]], pool: Any,
                  max_iters: int = 0) -> torch.Tensor | None:
     """Insert an IF (one or two bodies) or WHILE node into the capture running on the current stream."""
-    driver = cuda_driver()
+    driver = _driver_for_nodes()
     stream = torch.cuda.current_stream()
     if cond.device != stream.device:
         raise InputError(f"the condition is on {cond.device} but the capture runs on {stream.device}")
+    if len(bodies) == 2 and _call(driver, "cuDriverGetVersion", driver.cuDriverGetVersion()) < _IF_ELSE_DRIVER:
+        raise CgutilsError("an IF node with an else body needs a CUDA 12.8 driver or newer; use two if_node calls "
+                           "(the second on the negated condition) instead")
     device, pool = stream.device.index, _pool(pool)
-    kernels = _kernels(device)  # noqa: F841  (compiled before anything is added to the capture)
-    s = driver.CUstream(stream.cuda_stream)
-    status, _id, graph, *_ = _call(driver, "cuStreamGetCaptureInfo", driver.cuStreamGetCaptureInfo(s))
-    ctx = _call(driver, "cuCtxGetCurrent", driver.cuCtxGetCurrent())
-    handle = _call(driver, "cuGraphConditionalHandleCreate", driver.cuGraphConditionalHandleCreate(graph, ctx, 0, 0))
-    count = None
-    if kind == "while":
-        count = torch.zeros(1, dtype=torch.int32, device=cond.device)  # iterations run, in the capture's pool
-        loop = ((count.data_ptr(), ctypes.c_void_p), (max_iters, ctypes.c_int))
-        _launch("cg_loop_start", s, handle, cond, *loop)
-    else:
-        _launch("cg_set", s, handle, cond)
-    _st, _id, graph, deps, edges, n = _call(driver, "cuStreamGetCaptureInfo", driver.cuStreamGetCaptureInfo(s))
-    params = driver.CUgraphNodeParams()
-    params.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-    params.conditional.handle = handle
-    params.conditional.type = (driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE if kind == "while"
-                               else driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
-    params.conditional.size = len(bodies)
-    params.conditional.ctx = ctx
-    node = _call(driver, "cuGraphAddNode", driver.cuGraphAddNode(graph, deps[:n], edges[:n] if edges else None, n, params))
-    body_graphs = list(params.conditional.phGraph_out)[: len(bodies)]
-    _call(driver, "cuStreamUpdateCaptureDependencies", driver.cuStreamUpdateCaptureDependencies(
-        s, [node], None, 1, driver.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES))
-    side = _body_stream(device)
-    b = driver.CUstream(side.cuda_stream)
-    mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-    # The capture's own routing (by capture id) does not cover the body stream's separate capture:
-    # route the body stream to the same pool while its body is captured, then the capture stream again.
-    # Each begin takes a reference on the pool, so each is paired with a release.
-    torch._C._cuda_endAllocateToPool(device, pool)
+    _kernels(device)  # compiled and loaded before anything is added to the capture
+    # The capture's own routing (by capture id) does not cover the body stream's separate capture. It is
+    # ended first, which also checks that `pool` is the capture's, before the graph is touched; from here
+    # on this thread's allocations go to the pool (begin/end pairs, each begin with its release).
     try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError as exc:
+        raise InputError(f"pool={pool} is not the memory pool this capture records into ({str(exc).splitlines()[0]}); "
+                         f"pass the handle given to torch.cuda.graph(g, pool=...)") from exc
+    s = driver.CUstream(stream.cuda_stream)
+    added = False
+    try:
+        status, _id, graph, *_ = _call(driver, "cuStreamGetCaptureInfo", driver.cuStreamGetCaptureInfo(s))
+        ctx = _call(driver, "cuCtxGetCurrent", driver.cuCtxGetCurrent())
+        handle = _call(driver, "cuGraphConditionalHandleCreate",
+                       driver.cuGraphConditionalHandleCreate(graph, ctx, 0, 0))
+        count, loop = None, ()
+        if kind == "while":
+            _route(device, pool)
+            try:
+                count = torch.zeros(1, dtype=torch.int32, device=cond.device)  # iterations run, in the pool
+            finally:
+                _unroute(device, pool)
+            loop = ((count.data_ptr(), ctypes.c_void_p), (max_iters, ctypes.c_int))
+            _launch("cg_loop_start", s, handle, cond, *loop)
+        else:
+            _launch("cg_set", s, handle, cond)
+        added = True
+        _st, _id, graph, deps, _edges, n = _call(driver, "cuStreamGetCaptureInfo", driver.cuStreamGetCaptureInfo(s))
+        params = driver.CUgraphNodeParams()
+        params.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle
+        params.conditional.type = (driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE if kind == "while"
+                                   else driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
+        params.conditional.size = len(bodies)
+        params.conditional.ctx = ctx
+        # no edge data passed on: plain dependencies (cuda-bindings 13.3.0's notes list a use-after-free in the
+        # edge data that cuStreamGetCaptureInfo returns)
+        node = _call(driver, "cuGraphAddNode", driver.cuGraphAddNode(graph, deps[:n], None, n, params))
+        body_graphs = list(params.conditional.phGraph_out)[: len(bodies)]
+        _call(driver, "cuStreamUpdateCaptureDependencies", driver.cuStreamUpdateCaptureDependencies(
+            s, [node], None, 1, driver.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES))
+        side = _body_stream(device)
+        b = driver.CUstream(side.cuda_stream)
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         for body, body_graph in zip(bodies, body_graphs, strict=True):
             with torch.cuda.stream(side):
-                torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool)
+                _route(device, pool)
                 try:
                     _call(driver, "cuStreamBeginCaptureToGraph",
                           driver.cuStreamBeginCaptureToGraph(b, body_graph, None, None, 0, mode))
                     try:
-                        body()
+                        with _body():
+                            body()
                         if kind == "while":
                             _launch("cg_loop_next", b, handle, cond, *loop)
                     except BaseException:
                         driver.cuStreamEndCapture(b)
-                        _abandon(driver, body_graph, s)
+                        _empty(driver, body_graph)
                         raise
                     err, *_ = driver.cuStreamEndCapture(b)
                     if err != driver.CUresult.CUDA_SUCCESS:
-                        _abandon(driver, body_graph, s)
+                        _empty(driver, body_graph)
                         raise CgutilsError(f"capturing the body of a {kind.upper()} node failed ({err.name}): the "
-                                           f"body did something a graph cannot hold (a host sync such as .item(), "
-                                           f"a CPU copy) or used a stream other than the current one")
+                                           f"body did something a graph cannot hold (a host sync, a CPU copy) or "
+                                           f"used a stream other than the current one")
                 finally:
-                    torch._C._cuda_endAllocateToPool(device, pool)
-                    torch._C._cuda_releasePool(device, pool)
+                    _unroute(device, pool)
+    except BaseException:
+        if added:  # a graph holding a half-made node must not instantiate: fail the capture instead
+            driver.cuStreamSynchronize(s)
+        raise
     finally:
-        torch._C._cuda_beginAllocateCurrentStreamToPool(device, pool)
-        torch._C._cuda_releasePool(device, pool)
+        _route(device, pool)
+        torch._C._cuda_releasePool(device, pool)  # the pool keeps the capture's own reference
     return count
 
 
-def _abandon(driver: Any, graph: Any, capture_stream: Any) -> None:
-    """After a body failed to capture: remove what it left in its body graph, and invalidate the capture
-    around it (a stream sync is illegal while capturing), so that capture ends with an error instead of
-    instantiating a graph that holds a half-captured body (that crashed the process, measured on the H200)."""
-    err, nodes, count = driver.cuGraphGetNodes(graph, 0)
+def _route(device: int, pool: tuple) -> None:
+    """Send this thread's allocations on ``device`` to ``pool`` (torch >= 2.8; the current stream's before)."""
+    begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+    (begin or torch._C._cuda_beginAllocateCurrentStreamToPool)(device, pool)
+
+
+def _unroute(device: int, pool: tuple) -> None:
+    torch._C._cuda_endAllocateToPool(device, pool)
+    torch._C._cuda_releasePool(device, pool)
+
+
+def _driver_for_nodes() -> Any:
+    """cuda-python's driver module, 13.x: the conditional-node calls use its signatures."""
+    driver = cuda_driver()
+    from cuda import bindings
+
+    major = int(str(getattr(bindings, "__version__", "0")).split(".")[0] or 0)
+    if major < 13:
+        raise DependencyError(f"conditional nodes need cuda-bindings 13 or newer (installed: "
+                              f"{getattr(bindings, '__version__', 'unknown')}): pip install 'cuda-bindings>=13'")
+    return driver
+
+
+def _empty(driver: Any, graph: Any) -> None:
+    """Remove what a failed body capture left in its body graph."""
+    err, _nodes, count = driver.cuGraphGetNodes(graph, 0)
     if err == driver.CUresult.CUDA_SUCCESS and count:
         err, nodes, count = driver.cuGraphGetNodes(graph, count)
         for node in nodes[:count]:
             driver.cuGraphDestroyNode(node)
-    driver.cuStreamSynchronize(capture_stream)
 
 
 def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, pool: Any = None) -> torch.Tensor:
@@ -308,20 +397,24 @@ def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, p
         ``(1,)`` int32 tensor on ``cond``'s device: the iterations run (after each replay, under capture).
 
     Raises:
-        InputError: ``cond`` is not a one-element bool/integer tensor, ``max_iters`` < 0, or no pool known.
+        InputError: ``cond`` is not a one-element bool/integer tensor, ``max_iters`` is not in
+            ``[0, 2**31 - 1]``, no pool is known or ``pool`` is not the capture's, or the body syncs.
         DependencyError: cuda-python is not installed (``pip install cuda-bindings``).
         CgutilsError: the body could not be captured, or NVRTC could not compile the condition kernel.
     """
     _check_condition("cond", cond)
     max_iters = check_int("max_iters", max_iters, minimum=0, why="an upper bound on the iterations")
+    if max_iters > MAX_ITERS:
+        raise InputError(f"max_iters must be <= {MAX_ITERS} (the GPU counts iterations in a 32-bit int), got {max_iters}")
     if not callable(body):
         raise InputError(f"body must be a function of no arguments, got {type(body).__name__}")
     if cond.is_cuda and torch.cuda.is_current_stream_capturing():
         return _conditional("while", cond, [body], pool, max_iters)
     done = 0
     with _on_body_stream(cond):
-        while done < max_iters and bool(cond.reshape(())):
-            _run_eagerly("while_node", body)
+        while done < max_iters and _read(cond):
+            with _body():
+                body()
             done += 1
     return torch.full((1,), done, dtype=torch.int32, device=cond.device)
 
@@ -343,14 +436,18 @@ def if_node(pred: torch.Tensor, body: Callable[[], Any], else_body: Callable[[],
         InputError, DependencyError, CgutilsError: as for :func:`while_node`.
     """
     _check_condition("pred", pred)
-    for name, fn in (("body", body), ("else_body", else_body)):
+    if not callable(body):
+        raise InputError(f"body must be a function of no arguments, got {type(body).__name__}")
+    for name, fn in (("else_body", else_body),):
         if fn is not None and not callable(fn):
             raise InputError(f"{name} must be a function of no arguments, got {type(fn).__name__}")
     if pred.is_cuda and torch.cuda.is_current_stream_capturing():
         _conditional("if", pred, [body] if else_body is None else [body, else_body], pool)
         return
     with _on_body_stream(pred):
-        if bool(pred.reshape(())):
-            _run_eagerly("if_node", body)
+        if _read(pred):
+            with _body():
+                body()
         elif else_body is not None:
-            _run_eagerly("if_node", else_body)
+            with _body():
+                else_body()

@@ -13,9 +13,9 @@ import torch
 from ..checks import check_int, first_line
 from ..diagnose import explain, failure_site, find_sync_points
 from ..errors import CaptureError
-from .control import capture_pool
 from .ending import end_abandoned_capture
 from .piecewise import BreakPlan, capture_pieces
+from .poolscope import capture_pool
 from .state import rng_restore, rng_snapshot
 
 

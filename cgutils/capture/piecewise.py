@@ -43,9 +43,10 @@ from torch import nn
 from ..checks import check_int
 from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
-from .control import capture_pool
+from .control import inside_body
 from .ending import end_abandoned_capture
 from .nest import same_value, tree_leaves, tree_map
+from .poolscope import capture_pool
 
 
 @dataclass
@@ -363,6 +364,11 @@ class PieceCapture:
         if self.depth:
             self.depth += 1
         elif self.current is not None:
+            if inside_body():
+                raise CaptureError(
+                    f"{self.plan.name(module)} is a break but runs inside the body of a while_node/if_node, which "
+                    f"is captured as one graph on the GPU: a break cannot split it. Move the break out of the "
+                    f"body, or the conditional node out of the piecewise function", cause="sync")
             self._end()
             self.depth, self.pending = 1, (module, args, kwargs)
 
