@@ -186,8 +186,8 @@ def test_conditional_nodes_need_cuda_bindings_13(monkeypatch):
     pytest.importorskip("cuda.bindings")
     from cuda import bindings
 
-    from cgutils.capture.control import _driver_for_nodes
+    from cgutils.capture.control import conditional_driver
     from cgutils.errors import DependencyError
     monkeypatch.setattr(bindings, "__version__", "12.9.0")
     with pytest.raises(DependencyError, match="cuda-bindings 13"):
-        _driver_for_nodes()
+        conditional_driver()

@@ -259,7 +259,7 @@ def _pool(pool: Any) -> tuple[int, int]:
 def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]], pool: Any,
                  max_iters: int = 0) -> torch.Tensor | None:
     """Insert an IF (one or two bodies) or WHILE node into the capture running on the current stream."""
-    driver = _driver_for_nodes()
+    driver = conditional_driver()
     stream = torch.cuda.current_stream()
     if cond.device != stream.device:
         raise InputError(f"the condition is on {cond.device} but the capture runs on {stream.device}")
@@ -356,7 +356,7 @@ def _unroute(device: int, pool: tuple) -> None:
     torch._C._cuda_releasePool(device, pool)
 
 
-def _driver_for_nodes() -> Any:
+def conditional_driver() -> Any:
     """cuda-python's driver module, 13.x: the conditional-node calls use its signatures."""
     driver = cuda_driver()
     from cuda import bindings

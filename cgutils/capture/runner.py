@@ -36,9 +36,9 @@ from ..checks import check_int, is_number, require_cuda, warn_caller
 from ..errors import CaptureError, InputError
 from .buckets import Buckets, apply_cuts, learn_cuts, resize
 from .compare import check_later_replay, check_padding, rtol_for
+from .cudadriver import cuda_driver
 from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
-from .cudadriver import cuda_driver
 from .inspect import NODE_COLUMNS, node_table
 from .nest import same_value, tree_map
 from .piecewise import BreakPlan, PiecewiseGraph
