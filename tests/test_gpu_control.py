@@ -300,3 +300,18 @@ def test_a_break_inside_a_conditional_body_is_refused():
 
     with pytest.raises(cg.CaptureError, match="inside the body"):
         cg.GraphRunner(Loop(), breaks=["guard"])(torch.zeros(2, device="cuda"))
+
+
+def test_a_loop_test_that_syncs_is_listed_once():
+    """The failing line of a Python loop synced once per iteration in the eager rerun, and every one of those
+    lines was printed and marked "capture failed here"."""
+    def halve(x):
+        x = x.clone()
+        while (x >= 1).any():
+            x = torch.where(x >= 1, x / 2, x)
+        return x
+
+    with pytest.raises(cg.CaptureError) as info:
+        cg.GraphRunner(halve)(torch.full((4,), 100.0, device="cuda"))
+    assert str(info.value).count("capture failed here") == 1
+    assert "(x" in str(info.value)  # the count of its syncs

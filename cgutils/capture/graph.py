@@ -99,13 +99,23 @@ def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> Capture
         def failed_here(r: Any) -> bool:
             return site is not None and (r.file, r.line) == (site.file, site.line)
 
-        where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}" + ("   <- capture failed here" if failed_here(r) else "")
-                          for r in syncs.head(5).itertuples())
-        more = f"\n  ... and {len(syncs) - 5} more (see .sync_points)" if len(syncs) > 5 else ""
+        # one line per distinct (op, file, line), with how often it synced: a loop's test syncs once per
+        # iteration, and each of those lines was marked as the failing one
+        counts: dict[tuple, int] = {}
+        rows: dict[tuple, Any] = {}
+        for r in syncs.itertuples():
+            key = (r.op, r.file, r.line)
+            counts[key] = counts.get(key, 0) + 1
+            rows.setdefault(key, r)
+        distinct = list(rows.values())
+        where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}"
+                          + (f" (x{counts[(r.op, r.file, r.line)]})" if counts[(r.op, r.file, r.line)] > 1 else "")
+                          + ("   <- capture failed here" if failed_here(r) else "") for r in distinct[:5])
+        more = f"\n  ... and {len(distinct) - 5} more (see .sync_points)" if len(distinct) > 5 else ""
         hit = any(failed_here(r) for r in syncs.itertuples())
         others = ("\nThe unmarked syncs ran in the eager rerun; code may sync only when not capturing (transformers "
                   "skips its attention-mask check while capturing), so fix the marked line first."
-                  if hit and len(syncs) > 1 else "")
+                  if hit and len(distinct) > 1 else "")
         note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}{others}"
     cause = "sync" if syncs is not None and len(syncs) else (why.key if why else "")
     others = syncs.attrs.get("other_threads", []) if syncs is not None else []
