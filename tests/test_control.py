@@ -191,3 +191,23 @@ def test_conditional_nodes_need_cuda_bindings_13(monkeypatch):
     monkeypatch.setattr(bindings, "__version__", "12.9.0")
     with pytest.raises(DependencyError, match="cuda-bindings 13"):
         conditional_driver()
+
+
+def test_a_generator_body_is_refused():
+    def gen_body():
+        yield 1
+
+    with pytest.raises(InputError, match="ran nothing"):
+        cg.while_node(torch.ones(1, dtype=torch.bool), gen_body, max_iters=3)
+
+
+def test_higher_order_operators_and_compile_pass_through_the_sync_check():
+    """A plain dispatch mode raised "no rule registered for HigherOrderOperator" for torch.cond in a body."""
+    x, cond = torch.ones(2), torch.ones(1, dtype=torch.bool)
+
+    def body():
+        x.copy_(torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,)))
+        cond.fill_(False)
+
+    cg.while_node(cond, body, max_iters=2)
+    assert x.tolist() == [2.0, 2.0]

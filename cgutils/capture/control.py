@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,7 +77,7 @@ _CONDITION_DTYPES = tuple(getattr(torch, n) for n in ("bool", "uint8", "int8", "
 MAX_ITERS = 2**31 - 1  # the condition kernels count in a C int
 _IF_ELSE_DRIVER = 12080  # an IF node with an else body needs CUDA 12.8 (CUDA Runtime API, cudaConditionalNodeParams)
 
-_functions: dict[int, dict[str, Any]] = {}
+_functions: dict[int, dict[str, Any] | Exception] = {}
 _lock = threading.Lock()
 _local = threading.local()  # per thread: body streams by (device, depth), the nesting depth, condition reads
 
@@ -84,6 +85,14 @@ _local = threading.local()  # per thread: body streams by (device, depth), the n
 def inside_body() -> bool:
     """Whether this thread is running (or capturing) the body of a conditional node."""
     return getattr(_local, "depth", 0) > 0
+
+
+def _run_body(body: Callable[[], Any]) -> None:
+    with _body():
+        out = body()
+    if inspect.isgenerator(out) or inspect.iscoroutine(out):
+        raise InputError(f"the body returned a {type(out).__name__} and so ran nothing: pass a plain function "
+                         f"(no yield, not async)")
 
 
 @contextlib.contextmanager
@@ -124,9 +133,18 @@ class _RefuseSyncs(TorchDispatchMode):
     only, unlike ``torch.cuda.set_sync_debug_mode``; it does not see ``torch.cuda.synchronize()``."""
 
     _ops: set | None = None
+    # torch.cond, flex_attention and other higher-order operators pass through (unchecked) instead of raising
+    # "no rule registered for HigherOrderOperator"
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # torch.compile inside a body still compiles (its inner ops are not checked)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         if not getattr(_local, "reading", False):
             if _RefuseSyncs._ops is None:
                 _RefuseSyncs._ops = _sync_ops()
@@ -174,18 +192,24 @@ def _kernels(device: int) -> dict[str, Any]:
     """The condition kernels on ``device``, compiled and loaded on first use."""
     with _lock:
         if device not in _functions:
-            driver = cuda_driver()
             try:
-                cubin = _compile(torch.cuda.get_device_capability(device))
-            except ImportError as exc:
-                raise CgutilsError("conditional nodes need NVRTC (cuda.bindings.nvrtc and the nvidia-cuda-nvrtc "
-                                   "library, which CUDA builds of torch install)") from exc
-            with torch.cuda.device(device):
-                module = _call(driver, "cuModuleLoadData", driver.cuModuleLoadData(cubin))
-                _functions[device] = {name: _call(driver, "cuModuleGetFunction",
-                                                  driver.cuModuleGetFunction(module, name.encode()))
-                                      for name in _KERNELS}
-        return _functions[device]
+                driver = cuda_driver()
+                try:
+                    cubin = _compile(torch.cuda.get_device_capability(device))
+                except ImportError as exc:
+                    raise CgutilsError("conditional nodes need NVRTC (cuda.bindings.nvrtc and the nvidia-cuda-nvrtc "
+                                       "library, which CUDA builds of torch install)") from exc
+                with torch.cuda.device(device):
+                    module = _call(driver, "cuModuleLoadData", driver.cuModuleLoadData(cubin))
+                    _functions[device] = {name: _call(driver, "cuModuleGetFunction",
+                                                      driver.cuModuleGetFunction(module, name.encode()))
+                                          for name in _KERNELS}
+            except CgutilsError as exc:  # DependencyError included: kept, so a failed compile is not retried
+                _functions[device] = exc
+        found = _functions[device]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 def _body_stream(device: int) -> torch.cuda.Stream:
@@ -194,8 +218,20 @@ def _body_stream(device: int) -> torch.cuda.Stream:
     streams = _local.__dict__.setdefault("streams", {})
     key = (device, getattr(_local, "depth", 0))
     if key not in streams:
-        streams[key] = torch.cuda.Stream(device)
+        streams[key] = _own_stream(device)
     return streams[key]
+
+
+def _own_stream(device: int) -> torch.cuda.Stream:
+    """A stream of our own: ``torch.cuda.Stream()`` hands out 32 pooled streams round-robin, so a body stream
+    could be the capture stream itself or another thread's (then its capture fails or mixes work)."""
+    try:
+        driver = cuda_driver()
+    except DependencyError:
+        return torch.cuda.Stream(device)  # the eager loop only; capturing needs cuda-python anyway
+    with torch.cuda.device(device):
+        handle = _call(driver, "cuStreamCreate", driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", device))
 
 
 @contextlib.contextmanager
@@ -205,7 +241,7 @@ def _on_body_stream(cond: torch.Tensor) -> Iterator[None]:
     if not cond.is_cuda:
         yield
         return
-    with contextlib.suppress(DependencyError):  # the eager loop needs no kernel; a capture will say so
+    with contextlib.suppress(CgutilsError):  # the eager loop needs no kernel; a capture will say what failed
         _kernels(cond.device.index)
     side, current = _body_stream(cond.device.index), torch.cuda.current_stream(cond.device)
     side.wait_stream(current)
@@ -277,7 +313,7 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
         raise InputError(f"pool={pool} is not the memory pool this capture records into ({str(exc).splitlines()[0]}); "
                          f"pass the handle given to torch.cuda.graph(g, pool=...)") from exc
     s = driver.CUstream(stream.cuda_stream)
-    added = False
+    added = invalidated = False
     try:
         status, _id, graph, *_ = _call(driver, "cuStreamGetCaptureInfo", driver.cuStreamGetCaptureInfo(s))
         ctx = _call(driver, "cuCtxGetCurrent", driver.cuCtxGetCurrent())
@@ -319,8 +355,7 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                     _call(driver, "cuStreamBeginCaptureToGraph",
                           driver.cuStreamBeginCaptureToGraph(b, body_graph, None, None, 0, mode))
                     try:
-                        with _body():
-                            body()
+                        _run_body(body)
                         if kind == "while":
                             _launch("cg_loop_next", b, handle, cond, *loop)
                     except BaseException:
@@ -338,10 +373,14 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
     except BaseException:
         if added:  # a graph holding a half-made node must not instantiate: fail the capture instead
             driver.cuStreamSynchronize(s)
+            invalidated = True
         raise
     finally:
-        _route(device, pool)
-        torch._C._cuda_releasePool(device, pool)  # the pool keeps the capture's own reference
+        # torch's capture_end raises for an invalidated capture before it ends the pool's recording: put the
+        # routing back only for a capture that goes on, or this thread's allocations would stay in the pool
+        if not invalidated:
+            _route(device, pool)
+            torch._C._cuda_releasePool(device, pool)  # the pool keeps the capture's own reference
     return count
 
 
@@ -413,8 +452,7 @@ def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, p
     done = 0
     with _on_body_stream(cond):
         while done < max_iters and _read(cond):
-            with _body():
-                body()
+            _run_body(body)
             done += 1
     return torch.full((1,), done, dtype=torch.int32, device=cond.device)
 
@@ -446,8 +484,6 @@ def if_node(pred: torch.Tensor, body: Callable[[], Any], else_body: Callable[[],
         return
     with _on_body_stream(pred):
         if _read(pred):
-            with _body():
-                body()
+            _run_body(body)
         elif else_body is not None:
-            with _body():
-                else_body()
+            _run_body(else_body)
