@@ -1,0 +1,152 @@
+"""Graphs across processes (torch.distributed): the checks that turn a capture hang into an error, and
+tensor-parallel linear layers whose all-reduce a graph can hold.
+
+A collective (all-reduce, all-gather) waits until every rank of its group has called it. If one rank
+captures different work than another (a different input shape, a different graph key, a rank that skips
+the capture), the others wait in the collective forever: the classic hang of graphed tensor-parallel
+inference (pytorch issues #196133, #191681; NCCL documentation, "Using NCCL with CUDA Graphs"). Two
+things prevent it here:
+
+- :func:`agree_across_ranks` compares a description of what each rank is about to capture (e.g. a
+  GraphRunner signature) on every rank *before* capture, over the group's own backend, and raises on
+  every rank with the ranks that differ and what each has, instead of letting them hang;
+- :func:`warm_up_collectives` runs one small all-reduce before capture: a communicator sets itself up
+  lazily at its first collective, which must not happen inside a capture.
+
+:class:`ColumnParallelLinear` and :class:`RowParallelLinear` split an ``nn.Linear`` across the ranks
+(Megatron-LM's layout: Shoeybi et al. 2019, "Megatron-LM", section 3): a column-parallel layer keeps a
+slice of the output features (no communication), the row-parallel layer after it a slice of the input
+features, and one all-reduce sums the partial outputs. Launch the processes with ``torchrun``; the CPU
+tests run them on the gloo backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import CaptureError, InputError
+
+
+def _require_group(group: Any) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError("torch.distributed is not initialised: call torch.distributed.init_process_group(...) "
+                         "first (torchrun sets the environment it reads)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = None) -> None:
+    """Check that every rank of ``group`` passes the same ``value``; raise on every rank if not.
+
+    Call it on every rank, right before a capture (or any collective whose inputs depend on the rank's data),
+    with a description of what the rank will do, e.g. a GraphRunner signature ``"x:(1, 4096) bfloat16"``.
+    It is itself a collective (``all_gather_object`` over the group's backend), so it must be reached by all
+    ranks; with the default NCCL timeout a rank that never calls it still ends in a timeout error, not a hang.
+
+    Args:
+        value: what this rank is about to capture.
+        what: named in the error, e.g. ``"GraphRunner(decoder) capture"``.
+        group: the process group (default: the world).
+
+    Raises:
+        InputError: torch.distributed is not initialised, or ``value`` is not a string.
+        CaptureError: the ranks disagree (``cause="rank_divergence"``); the message lists each distinct value
+            with its ranks.
+    """
+    if not isinstance(value, str):
+        raise InputError(f"value must be a string describing what this rank captures, got {type(value).__name__}")
+    rank, world = _require_group(group)
+    values: list[Any] = [None] * world
+    dist.all_gather_object(values, value, group=group)
+    distinct: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        distinct.setdefault(v, []).append(r)
+    if len(distinct) > 1:
+        listing = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v!r}"
+                            for v, rs in distinct.items())
+        raise CaptureError(
+            f"the ranks disagree about {what} (this is rank {rank} of {world}): {listing}. Every rank must capture "
+            f"the same work, or the collectives inside the graph wait for each other forever; give every rank the "
+            f"same shapes (pad to a common bucket) and the same graph key", cause="rank_divergence")
+
+
+def warm_up_collectives(device: torch.device | str | None = None, *, group: Any = None) -> None:
+    """Run one all-reduce of one element on ``device`` (default: the current CUDA device, else the CPU) and
+    wait for it, so that the communicator is set up before any capture.
+
+    Raises:
+        InputError: torch.distributed is not initialised.
+        CaptureError: the ranks' sums disagree with the world size (a broken group).
+    """
+    _, world = _require_group(group)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    one = torch.ones(1, device=device)
+    dist.all_reduce(one, group=group)
+    if int(one.item()) != world:  # a sync, outside any capture on purpose
+        raise CaptureError(f"a warm-up all-reduce summed to {int(one.item())} instead of the world size {world}",
+                           cause="rank_divergence")
+
+
+def _shard(n: int, rank: int, world: int, what: str) -> slice:
+    if n % world:
+        raise InputError(f"{what} ({n}) is not divisible by the number of ranks ({world}); choose a world size "
+                         f"that divides it")
+    size = n // world
+    return slice(rank * size, (rank + 1) * size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's slice of an ``nn.Linear``'s output features: ``(…, in) -> (…, out / world)``, no
+    communication. Follow it with a :class:`RowParallelLinear` (or gather the outputs).
+
+    Attributes:
+        weight: ``(out / world, in)``; bias: ``(out / world,)`` or ``None``.
+    """
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise InputError(f"expected an nn.Linear, got {type(linear).__name__}")
+        rows = _shard(linear.out_features, rank, world, "out_features")
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> ColumnParallelLinear:
+        """This process's shard of ``linear`` (rank and world size from ``group``)."""
+        return cls(linear, *_require_group(group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's slice of an ``nn.Linear``'s input features, followed by an all-reduce of the partial
+    outputs: ``(…, in / world) -> (…, out)``, equal on every rank. The bias is added once, after the sum.
+
+    Attributes:
+        weight: ``(out, in / world)``; bias: ``(out,)`` or ``None``; group: the process group reduced over.
+    """
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int, group: Any = None):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise InputError(f"expected an nn.Linear, got {type(linear).__name__}")
+        cols = _shard(linear.in_features, rank, world, "in_features")
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.group = group
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> RowParallelLinear:
+        """This process's shard of ``linear`` (rank and world size from ``group``)."""
+        return cls(linear, *_require_group(group), group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight)
+        dist.all_reduce(out, group=self.group)  # in place; captured as a collective kernel under NCCL
+        return out + self.bias if self.bias is not None else out

@@ -1,0 +1,71 @@
+"""torch.distributed helpers on the CPU (gloo backend, two processes): the rank-divergence check that turns
+a capture hang into an error, the communicator warm-up, and tensor-parallel linears equal to the unsharded
+layers."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from cgutils.distributed import ColumnParallelLinear, RowParallelLinear, agree_across_ranks, warm_up_collectives
+from cgutils.errors import CaptureError, InputError
+
+WORLD = 2
+
+
+def _worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        result = {}
+        warm_up_collectives("cpu")
+        torch.manual_seed(0)  # the same full layers on every rank, as loaded from one checkpoint
+        fc1, fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        x = torch.randn(3, 8)
+        full = fc2(nn.functional.gelu(fc1(x)))
+        sharded = RowParallelLinear.from_linear(fc2)(nn.functional.gelu(ColumnParallelLinear.from_linear(fc1)(x)))
+        result["max_err"] = float((sharded - full).abs().max())
+        result["shard_rows"] = ColumnParallelLinear.from_linear(fc1).weight.shape[0]
+        agree_across_ranks("x:(3, 8) float32", what="the MLP capture")  # same everywhere: no error
+        try:
+            agree_across_ranks(f"x:({2 + 2 * rank}, 8) float32", what="GraphRunner(mlp) capture")
+        except CaptureError as exc:
+            result["divergence"] = (exc.cause, str(exc))
+        torch.save(result, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    mp.spawn(_worker, args=(str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"{r}.pt") for r in range(WORLD)]
+
+
+def test_tensor_parallel_mlp_equals_the_unsharded_one(results):
+    for r in results:
+        assert r["shard_rows"] == 16 // WORLD
+        assert r["max_err"] < 1e-6
+
+
+def test_divergent_ranks_raise_on_every_rank_naming_each(results):
+    for rank, r in enumerate(results):
+        cause, message = r["divergence"]
+        assert cause == "rank_divergence"
+        assert f"this is rank {rank} of 2" in message
+        assert "rank 0: 'x:(2, 8) float32'" in message and "rank 1: 'x:(4, 8) float32'" in message
+
+
+def test_without_a_process_group_or_with_bad_shapes_the_errors_say_what_to_do():
+    if not dist.is_initialized():
+        with pytest.raises(InputError, match="init_process_group"):
+            agree_across_ranks("x")
+        with pytest.raises(InputError, match="init_process_group"):
+            warm_up_collectives("cpu")
+    with pytest.raises(InputError, match="not divisible"):
+        ColumnParallelLinear(nn.Linear(3, 5), 0, 2)
+    with pytest.raises(InputError, match="not divisible"):
+        RowParallelLinear(nn.Linear(5, 3), 0, 2)
+    with pytest.raises(InputError, match="nn.Linear"):
+        ColumnParallelLinear(nn.Conv1d(2, 2, 1), 0, 2)
