@@ -211,3 +211,36 @@ def test_higher_order_operators_and_compile_pass_through_the_sync_check():
 
     cg.while_node(cond, body, max_iters=2)
     assert x.tolist() == [2.0, 2.0]
+
+
+def test_waits_for_gpu_names_the_syncs_a_body_cannot_hold():
+    """The dispatch-mode check saw only .item()-like reads; boolean-mask indexing (a nonzero inside a kernel),
+    torch.equal and pageable host-to-GPU copies passed it and then failed under capture; a pinned
+    non_blocking copy back was refused although it is asynchronous."""
+    from cgutils.capture.control import waits_for_gpu
+
+    aten = torch.ops.aten
+    on_gpu = lambda t: t.device.type == "meta"  # noqa: E731  (meta stands in for CUDA here)
+    g, mask, host = torch.ones(4, device="meta"), torch.ones(4, dtype=torch.bool, device="meta"), torch.ones(4)
+    idx = torch.zeros(2, dtype=torch.int64, device="meta")
+    cases = {
+        "item": (aten._local_scalar_dense.default, (g,), {}),
+        "equal": (aten.equal.default, (g, g), {}),
+        "mask index": (aten.index.Tensor, (g, [mask]), {}),
+        "mask put": (aten.index_put_.default, (g, [mask], g), {}),
+        "nonzero": (aten.nonzero.default, (g,), {}),
+        "repeat": (aten.repeat_interleave.Tensor, (idx,), {}),
+        "to host": (aten._to_copy.default, (g,), {"device": torch.device("cpu")}),
+        "copy back": (aten.copy_.default, (host, g), {}),
+    }
+    for name, (func, args, kwargs) in cases.items():
+        assert waits_for_gpu(func, args, kwargs, on_gpu=on_gpu), name
+    fine = {
+        "int index": (aten.index.Tensor, (g, [idx]), {}),
+        "add": (aten.add.Tensor, (g, g), {}),
+        "repeat with size": (aten.repeat_interleave.Tensor, (idx,), {"output_size": 4}),
+        "gpu copy": (aten.copy_.default, (g, g), {}),
+        "cpu only": (aten.add.Tensor, (host, host), {}),
+    }
+    for name, (func, args, kwargs) in fine.items():
+        assert waits_for_gpu(func, args, kwargs, on_gpu=on_gpu) is None, name

@@ -315,3 +315,14 @@ def test_a_loop_test_that_syncs_is_listed_once():
         cg.GraphRunner(halve)(torch.full((4,), 100.0, device="cuda"))
     assert str(info.value).count("capture failed here") == 1
     assert "(x" in str(info.value)  # the count of its syncs
+
+
+def test_syncs_inside_kernels_and_host_copies_are_refused_in_a_body():
+    x = torch.randn(8, device="cuda")
+    cond = torch.ones(1, dtype=torch.bool, device="cuda")
+    pinned = torch.empty(8).pin_memory()
+    for bad in (lambda: x[x > 0].sum(), lambda: torch.equal(x, x), lambda: x.copy_(torch.ones(8))):
+        with pytest.raises(InputError, match="wait for the GPU"):
+            cg.while_node(cond.clone(), bad, max_iters=1)
+    c = cond.clone()
+    cg.while_node(c, lambda: (pinned.copy_(x, non_blocking=True), c.fill_(False)), max_iters=1)  # asynchronous
