@@ -31,7 +31,12 @@ from torch import nn
 from .errors import CaptureError, InputError
 
 
-def _require_group(group: Any) -> tuple[int, int]:
+def rank_and_world(group: Any = None) -> tuple[int, int]:
+    """This process's rank in ``group`` (default: the world) and the group's size.
+
+    Raises:
+        InputError: torch.distributed is not initialised.
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("torch.distributed is not initialised: call torch.distributed.init_process_group(...) "
                          "first (torchrun sets the environment it reads)")
@@ -58,7 +63,7 @@ def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = No
     """
     if not isinstance(value, str):
         raise InputError(f"value must be a string describing what this rank captures, got {type(value).__name__}")
-    rank, world = _require_group(group)
+    rank, world = rank_and_world(group)
     values: list[Any] = [None] * world
     dist.all_gather_object(values, value, group=group)
     distinct: dict[str, list[int]] = {}
@@ -81,7 +86,7 @@ def warm_up_collectives(device: torch.device | str | None = None, *, group: Any 
         InputError: torch.distributed is not initialised.
         CaptureError: the ranks' sums disagree with the world size (a broken group).
     """
-    _, world = _require_group(group)
+    _, world = rank_and_world(group)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     one = torch.ones(1, device=device)
@@ -118,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> ColumnParallelLinear:
         """This process's shard of ``linear`` (rank and world size from ``group``)."""
-        return cls(linear, *_require_group(group))
+        return cls(linear, *rank_and_world(group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
@@ -144,7 +149,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> RowParallelLinear:
         """This process's shard of ``linear`` (rank and world size from ``group``)."""
-        return cls(linear, *_require_group(group), group=group)
+        return cls(linear, *rank_and_world(group), group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nn.functional.linear(x, self.weight)

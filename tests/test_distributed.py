@@ -31,6 +31,21 @@ def _worker(rank, init_file, out_dir):
             agree_across_ranks(f"x:({2 + 2 * rank}, 8) float32", what="GraphRunner(mlp) capture")
         except CaptureError as exc:
             result["divergence"] = (exc.cause, str(exc))
+        # tensor-parallel GPT-2 (2 ranks, 2 heads each) against transformers' greedy tokens
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from cgutils import hf_generate
+        from cgutils.generation_tp import TensorParallelKVState, tp_generate
+        torch.manual_seed(0)
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).eval()
+        prompt = torch.randint(0, gpt2.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+        result["tp_tokens"] = tp_generate(gpt2, prompt, 12)
+        result["tokens"] = hf_generate(gpt2, prompt, 12)
+        result["kv_heads"] = TensorParallelKVState(gpt2, 1, 16).kv_cache.shape[3]
+        try:
+            TensorParallelKVState(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=24, n_head=3)), 1, 8)
+        except InputError as exc:
+            result["bad_heads"] = str(exc)
         torch.save(result, f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -47,6 +62,13 @@ def test_tensor_parallel_mlp_equals_the_unsharded_one(results):
     for r in results:
         assert r["shard_rows"] == 16 // WORLD
         assert r["max_err"] < 1e-6
+
+
+def test_tensor_parallel_gpt2_tokens_equal_transformers(results):
+    for r in results:
+        assert r["kv_heads"] == 4 // WORLD
+        assert torch.equal(r["tp_tokens"], r["tokens"])
+        assert "3 heads do not divide among 2 ranks" in r["bad_heads"]
 
 
 def test_divergent_ranks_raise_on_every_rank_naming_each(results):

@@ -1,0 +1,107 @@
+"""Tensor-parallel greedy GPT-2 decoding: the static-KV-cache step of :mod:`cgutils.generation`, split
+across the ranks of a torch.distributed group (Megatron-LM's layout: Shoeybi et al. 2019, section 3).
+
+Each rank keeps its share of the attention heads (their query/key/value columns, their rows of the output
+projection and their slice of the KV cache) and of the MLP's hidden features; embeddings, layer norms and the
+LM head are replicated. Two all-reduces per layer (after the attention output projection and after the MLP)
+sum the partial results, so every rank holds the same hidden state and produces the same token. The step
+keeps fixed shapes and addresses, as the one-GPU step does, so one CUDA graph per rank can hold it, all-reduces
+included (NCCL documentation, "Using NCCL with CUDA Graphs").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .checks import check_int
+from .distributed import rank_and_world
+from .errors import InputError
+from .generation import StaticKVState
+
+
+class TensorParallelKVState(StaticKVState):
+    """A :class:`~cgutils.generation.StaticKVState` holding this rank's share of GPT-2.
+
+    Buffers (besides the parent's, with ``kv_cache`` of shape ``(layers, 2, batch, heads / world, max_len,
+    head_dim)``): per layer ``attn_w`` ``(C, 3 C / world)``, ``attn_b``, ``proj_w`` ``(C / world, C)``,
+    ``fc_w`` ``(C, 4 C / world)``, ``fc_b``, ``mlp_proj_w`` ``(4 C / world, C)``, in the model's dtype.
+
+    Raises:
+        InputError: torch.distributed is not initialised, or the heads or MLP width do not divide by the
+            world size.
+    """
+
+    def __init__(self, model: nn.Module, batch: int, max_len: int, *, group: Any = None):
+        super().__init__(model, batch, max_len)
+        rank, world = rank_and_world(group)
+        cfg, D = model.config, self.head_dim
+        if cfg.n_head % world:
+            raise InputError(f"GPT-2's {cfg.n_head} heads do not divide among {world} ranks; use a world size that "
+                             f"divides the head count")
+        self.group, self.world = group, world
+        heads = cfg.n_head // world
+        C = cfg.n_embd
+        self.n_head = heads
+        self.kv_cache = torch.zeros(cfg.n_layer, 2, batch, heads, max_len, D, dtype=self.kv_cache.dtype,
+                                    device=self.kv_cache.device)
+        cols = torch.arange(rank * heads * D, (rank + 1) * heads * D)
+        qkv = torch.cat([cols + j * C for j in range(3)])  # this rank's q, k and v columns of c_attn
+        inner = model.transformer.h[0].mlp.c_fc.weight.shape[1]
+        mlp = torch.arange(rank * inner // world, (rank + 1) * inner // world)
+        self.shards = nn.ModuleList()
+        for blk in model.transformer.h:
+            shard = nn.Module()
+            # GPT-2's Conv1D computes x @ weight + bias with weight (in, out)
+            shard.register_buffer("attn_w", blk.attn.c_attn.weight.detach()[:, qkv].clone())
+            shard.register_buffer("attn_b", blk.attn.c_attn.bias.detach()[qkv].clone())
+            shard.register_buffer("proj_w", blk.attn.c_proj.weight.detach()[cols].clone())
+            shard.register_buffer("fc_w", blk.mlp.c_fc.weight.detach()[:, mlp].clone())
+            shard.register_buffer("fc_b", blk.mlp.c_fc.bias.detach()[mlp].clone())
+            shard.register_buffer("mlp_proj_w", blk.mlp.c_proj.weight.detach()[mlp].clone())
+            self.shards.append(shard)
+
+    def _reduce(self, part: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(part, group=self.group)
+        return part
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """As :meth:`StaticKVState.logits`, from this rank's shards plus two all-reduces per layer."""
+        tr = self.model.transformer
+        B, T = tokens.shape
+        H, D = self.n_head, self.head_dim
+        x = tr.wte(tokens) + tr.wpe(positions)[None]
+        bias = torch.where(self.key_pos[None, :] <= positions[:, None], self._open, self._masked)
+        for i, (blk, w) in enumerate(zip(tr.h, self.shards, strict=True)):
+            qkv = torch.addmm(w.attn_b, blk.ln_1(x).reshape(B * T, -1), w.attn_w).view(B, T, 3, H, D)
+            q = qkv[:, :, 0].transpose(1, 2)
+            self.kv_cache[i].index_copy_(3, positions, qkv[:, :, 1:].permute(2, 0, 3, 1, 4))
+            att = F.scaled_dot_product_attention(q, self.kv_cache[i, 0], self.kv_cache[i, 1], attn_mask=bias)
+            x = x + self._reduce(att.transpose(1, 2).reshape(B, T, H * D) @ w.proj_w) + blk.attn.c_proj.bias
+            h = F.gelu(torch.addmm(w.fc_b, blk.ln_2(x).reshape(B * T, -1), w.fc_w), approximate="tanh")
+            x = x + self._reduce((h @ w.mlp_proj_w).view(B, T, -1)) + blk.mlp.c_proj.bias
+        return self.model.lm_head(tr.ln_f(x))
+
+
+@torch.no_grad()
+def tp_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, group: Any = None) -> torch.Tensor:
+    """Greedy continuation of ``prompt`` (B, T) int64 by ``max_new_tokens`` tokens, this rank's shard of GPT-2
+    run eagerly (every rank calls it with the same prompt): (B, T + max_new_tokens) int64, equal on all ranks.
+
+    Raises:
+        InputError: as :class:`TensorParallelKVState`; a bad prompt or ``max_new_tokens``.
+    """
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64 or 0 in prompt.shape:
+        raise InputError(f"prompt must be a non-empty (batch, length) int64 tensor, got "
+                         f"{getattr(prompt, 'dtype', type(prompt).__name__)} {tuple(getattr(prompt, 'shape', ()))}")
+    B, T = prompt.shape
+    state = TensorParallelKVState(model, B, T + max_new_tokens, group=group)
+    state.prefill(prompt)
+    for _ in range(max_new_tokens - 1):
+        state.decode_step()
+    return state.generated[:, : T + max_new_tokens].clone()
