@@ -217,7 +217,7 @@ def test_waits_for_gpu_names_the_syncs_a_body_cannot_hold():
     """The dispatch-mode check saw only .item()-like reads; boolean-mask indexing (a nonzero inside a kernel),
     torch.equal and pageable host-to-GPU copies passed it and then failed under capture; a pinned
     non_blocking copy back was refused although it is asynchronous."""
-    from cgutils.capture.control import waits_for_gpu
+    from cgutils.capture.bodysync import waits_for_gpu
 
     aten = torch.ops.aten
     on_gpu = lambda t: t.device.type == "meta"  # noqa: E731  (meta stands in for CUDA here)

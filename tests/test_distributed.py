@@ -46,6 +46,19 @@ def _worker(rank, init_file, out_dir):
             TensorParallelKVState(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=24, n_head=3)), 1, 8)
         except InputError as exc:
             result["bad_heads"] = str(exc)
+        # GraphRunner as one rank of the group (CPU simulation of capture): same shapes capture, different
+        # shapes are named on every rank before anything waits in a collective
+        from simulation import SimulatedBackend
+
+        import cgutils as cg
+        torch.manual_seed(0)
+        lin = nn.Linear(3, 3)
+        runner = cg.GraphRunner(lin, distributed=True, backend=SimulatedBackend())
+        result["same_shapes"] = float((runner(torch.ones(2, 3)) - lin(torch.ones(2, 3))).abs().max())
+        try:
+            runner(torch.ones(4 + 2 * rank, 3))  # a new shape on both ranks, so both capture
+        except CaptureError as exc:
+            result["runner_divergence"] = str(exc)
         torch.save(result, f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -71,6 +84,13 @@ def test_tensor_parallel_gpt2_tokens_equal_transformers(results):
         assert "3 heads do not divide among 2 ranks" in r["bad_heads"]
 
 
+def test_graph_runner_names_a_rank_that_would_capture_other_shapes(results):
+    for r in results:
+        assert r["same_shapes"] < 1e-6
+        assert "rank 0: 'input:(4, 3) float32'" in r["runner_divergence"]
+        assert "rank 1: 'input:(6, 3) float32'" in r["runner_divergence"]
+
+
 def test_divergent_ranks_raise_on_every_rank_naming_each(results):
     for rank, r in enumerate(results):
         cause, message = r["divergence"]
@@ -91,3 +111,6 @@ def test_without_a_process_group_or_with_bad_shapes_the_errors_say_what_to_do():
         RowParallelLinear(nn.Linear(5, 3), 0, 2)
     with pytest.raises(InputError, match="nn.Linear"):
         ColumnParallelLinear(nn.Conv1d(2, 2, 1), 0, 2)
+    import cgutils as cg
+    with pytest.raises(InputError, match="distributed must be"):
+        cg.GraphRunner(nn.Linear(2, 2), distributed="world")

@@ -9,6 +9,8 @@
 - :mod:`.inspect`: what a captured graph holds: node tables, module attribution, GPU time per node.
 - :mod:`.piecewise`: graph pieces around modules that must run eagerly.
 - :mod:`.control`: WHILE and IF conditional nodes around captured work (control flow on the device).
+- :mod:`.bodysync`: what a conditional node's body may not do (host syncs), checked while it runs.
+- :mod:`.poolscope`: which memory pool the capture running in this thread records into.
 - :mod:`.cudadriver`: cuda-python's driver bindings, imported on first use.
 - :mod:`.runner`: :class:`GraphRunner`, which only coordinates.
 """

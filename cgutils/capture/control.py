@@ -24,7 +24,7 @@ capture (warm-up, eager validation) the same calls run a plain Python loop, so a
 behaves the same eagerly (with a host sync per iteration) and captured (none).
 
 Bodies run, eagerly and under capture, with the tensor operations that wait for the GPU refused
-(:class:`_RefuseSyncs`): under capture such a sync failed on the body stream and the process crashed at
+(:class:`~cgutils.capture.bodysync.RefuseSyncs`): under capture such a sync failed on the body stream and the process crashed at
 the end of the capture (torch 2.11, H200). Conditional nodes nest: each depth of a thread has its own
 body stream.
 """
@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checks import check_int
 from ..errors import CgutilsError, DependencyError, InputError
+from .bodysync import RefuseSyncs, reading_condition
 from .cudadriver import check as _call
 from .cudadriver import cuda_driver
 from .poolscope import current_pool
@@ -100,124 +100,10 @@ def _body() -> Iterator[None]:
     """Run a body: one level deeper, with syncs refused."""
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        with _RefuseSyncs():
+        with RefuseSyncs():
             yield
     finally:
         _local.depth -= 1
-
-
-@contextlib.contextmanager
-def _reading_condition() -> Iterator[None]:
-    """The eager loop's own read of its condition: a sync that an enclosing body's check must allow."""
-    before = getattr(_local, "reading", False)
-    _local.reading = True
-    try:
-        yield
-    finally:
-        _local.reading = before
-
-
-def _ops(names: list[tuple[str, str]]) -> set:
-    aten = torch.ops.aten
-    return {getattr(getattr(aten, op), overload) for op, overload in names
-            if hasattr(aten, op) and hasattr(getattr(aten, op), overload)}
-
-
-_READS = [("_local_scalar_dense", "default"), ("equal", "default"), ("is_nonzero", "default")]
-_SHAPES = [("nonzero", "default"), ("masked_select", "default"), ("_unique", "default"), ("_unique2", "default"),
-           ("unique_dim", "default"), ("unique_consecutive", "default"), ("bincount", "default")]
-_INDEXING = [("index", "Tensor"), ("index_put", "default"), ("index_put_", "default"),
-             ("_index_put_impl_", "default")]
-_op_sets: dict[str, set] = {}
-
-
-def waits_for_gpu(func: Any, args: tuple, kwargs: dict, *, on_gpu: Callable[[torch.Tensor], bool] | None = None
-                  ) -> str | None:
-    """Why the ATen call ``func(*args, **kwargs)`` makes the host wait for the GPU, or ``None``.
-
-    Sees: reading a GPU value (``.item()``, ``bool``, ``torch.equal``), data-dependent output shapes
-    (``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``,
-    indexing with a boolean mask), copies from the GPU to pageable host memory and from pageable host memory
-    to the GPU (a pinned buffer with ``non_blocking=True`` is asynchronous and allowed). Does not see syncs
-    outside ATen calls (``torch.cuda.synchronize()``, ``Event.synchronize()``).
-
-    Args:
-        on_gpu: which tensors count as on the GPU (default: ``tensor.is_cuda``; tests pass another).
-    """
-    if not _op_sets:
-        _op_sets.update(reads=_ops(_READS), shapes=_ops(_SHAPES), indexing=_ops(_INDEXING),
-                        repeat=_ops([("repeat_interleave", "Tensor")]))
-    gpu = on_gpu or (lambda t: t.is_cuda)
-
-    def tensors(values: Any) -> list[torch.Tensor]:
-        out = []
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                out.append(v)
-            elif isinstance(v, (list, tuple)):
-                out += [t for t in v if isinstance(t, torch.Tensor)]
-        return out
-
-    on = [t for t in tensors((*args, *kwargs.values())) if gpu(t)]
-    if not on:
-        return None if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) else _copy(
-            func, args, kwargs, gpu)
-    if func in _op_sets["reads"]:
-        return "reads a GPU value on the host (.item(), bool(tensor), torch.equal)"
-    if func in _op_sets["shapes"]:
-        return f"{func} has an output shape that depends on the data"
-    if func in _op_sets["repeat"] and kwargs.get("output_size") is None:
-        return "repeat_interleave without output_size has a data-dependent shape"
-    if func in _op_sets["indexing"] and len(args) > 1 and any(
-            t.dtype == torch.bool for t in tensors((args[1],)) if gpu(t)):
-        return "indexing with a boolean mask has a data-dependent shape (a nonzero inside)"
-    return _copy(func, args, kwargs, gpu)
-
-
-def _copy(func: Any, args: tuple, kwargs: dict, gpu: Callable[[torch.Tensor], bool]) -> str | None:
-    """A copy between host and GPU that waits: to or from pageable memory, or without non_blocking."""
-    aten = torch.ops.aten
-    if func is aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
-        device = kwargs.get("device")
-        to_host = gpu(args[0]) and device is not None and torch.device(device).type == "cpu"
-        to_gpu = not gpu(args[0]) and device is not None and torch.device(device).type == "cuda"
-        if to_host:
-            return "a copy from the GPU to host memory"
-        if to_gpu and not (kwargs.get("non_blocking") and args[0].is_pinned()):
-            return "a copy from pageable host memory to the GPU (pin it and pass non_blocking=True)"
-    if func is aten.copy_.default and len(args) > 1 and all(isinstance(a, torch.Tensor) for a in args[:2]):
-        dst, src = args[0], args[1]
-        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-        if gpu(src) and not gpu(dst) and not (non_blocking and dst.is_pinned()):
-            return "a copy from the GPU to pageable host memory (copy into a pinned buffer with non_blocking=True)"
-        if gpu(dst) and not gpu(src) and not (non_blocking and src.is_pinned()):
-            return "a copy from pageable host memory to the GPU (pin it and pass non_blocking=True)"
-    return None
-
-
-class _RefuseSyncs(TorchDispatchMode):
-    """Refuse the tensor operations that make the host wait for a CUDA tensor (:func:`waits_for_gpu`). A
-    dispatch mode applies to its own thread only, unlike ``torch.cuda.set_sync_debug_mode``."""
-
-    # torch.cond, flex_attention and other higher-order operators pass through (unchecked) instead of raising
-    # "no rule registered for HigherOrderOperator"
-    supports_higher_order_operators = True
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # torch.compile inside a body still compiles (its inner ops are not checked)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        why = None if getattr(_local, "reading", False) else waits_for_gpu(func, args, kwargs)
-        if why is not None:
-            raise InputError(
-                f"a conditional node's body made the host wait for the GPU: {why}. The body runs on the GPU and "
-                f"cannot wait for the host: keep .item(), bool(tensor), data-dependent shapes, printing and "
-                f"host copies out of it (cgutils.find_sync_points(body) lists them)")
-        return func(*args, **kwargs)
 
 
 def _compile(capability: tuple[int, int]) -> bytes:
@@ -311,7 +197,7 @@ def _on_body_stream(cond: torch.Tensor) -> Iterator[None]:
 
 
 def _read(cond: torch.Tensor) -> bool:
-    with _reading_condition():
+    with reading_condition():
         return bool(cond.reshape(()))
 
 

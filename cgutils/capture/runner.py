@@ -30,9 +30,11 @@ from typing import Any
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..checks import check_int, is_number, require_cuda, warn_caller
+from ..distributed import agree_across_ranks, warm_up_collectives
 from ..errors import CaptureError, InputError
 from .buckets import Buckets, apply_cuts, learn_cuts, resize
 from .compare import check_later_replay, check_padding, rtol_for
@@ -102,6 +104,14 @@ class GraphRunner:
             module running where a capture failed on a sync becomes a break, and capture starts again),
             or a list of qualified module names, module objects or module classes. A break module's outputs must keep their shape from call to call.
             :meth:`pieces` lists pieces and breaks, :meth:`segment_times` what each costs.
+        distributed: this runner is one rank of a torch.distributed group whose ranks capture together
+            (collectives inside the graph): ``True`` for the default group, or a process group. Before each
+            capture every rank compares its graph signature with the others'
+            (:func:`cgutils.distributed.agree_across_ranks`: a rank with other shapes is named in a
+            ``CaptureError`` on every rank, instead of all of them hanging in the graph's collectives), and
+            before the first one a small all-reduce sets the communicator up. Every rank must call the runner.
+            Ranks compare only when they capture: a rank that replays an existing graph while another captures
+            a new one is not checked (the capturing rank then waits), so give all ranks the same shapes.
         backend: the CUDA calls (capture, pool, sync): :class:`~cgutils.capture.CudaBackend`; the tests
             pass a CPU simulation.
 
@@ -125,7 +135,8 @@ class GraphRunner:
                  validate_replays: int = 0, rtol: float | None = None, clone_outputs: bool = True,
                  strict: bool = True, pool: Any = None, buckets: dict[int, Any] | None = None,
                  pad_value: float | dict[str, float] = 0, compile: bool | dict = False,
-                 inspect: bool = False, breaks: Any = None, backend: CudaBackend = CUDA):
+                 inspect: bool = False, breaks: Any = None, distributed: Any = False,
+                 backend: CudaBackend = CUDA):
         if not callable(fn):
             raise InputError(f"GraphRunner needs a callable (module or function), got {type(fn).__name__}")
         self.warmup = check_int("warmup", warmup, minimum=1, why="lazy initialisation must not be captured")
@@ -138,6 +149,11 @@ class GraphRunner:
             raise InputError("breaks= and compile= cannot be combined: piecewise capture splits at module calls, "
                              "which torch.compile traces through; compile the pieces' modules yourself instead")
         self._breaks = BreakPlan(fn, breaks) if breaks is not None else None
+        if distributed is not False and distributed is not True and not isinstance(distributed, getattr(dist, "ProcessGroup", ())):
+            raise InputError(f"distributed must be False, True (the default group) or a torch.distributed "
+                             f"ProcessGroup, got {type(distributed).__name__}")
+        self._group, self._collectives_ready = (None if distributed is True else distributed), False
+        self._distributed = distributed is not False
         self.inspect = bool(inspect)
         if self.inspect:
             cuda_driver()  # DependencyError now, naming the package, rather than inside the first capture
@@ -365,6 +381,13 @@ class GraphRunner:
             return _pieces(entry).segment_times(iters)
 
     def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> GraphEntry:
+        if self._distributed:
+            agree_across_ranks(_signature(call.named, targets, autocast), what=f"the {self!r} capture",
+                               group=self._group)
+            if not self._collectives_ready:
+                device = next((t.device for _, t in call.named if isinstance(t, torch.Tensor)), None)
+                warm_up_collectives(device, group=self._group)
+                self._collectives_ready = True
         if self._pool is None:
             self._pool = self._backend.new_pool()
         try:
