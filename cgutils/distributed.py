@@ -152,6 +152,10 @@ class RowParallelLinear(nn.Module):
         return cls(linear, *rank_and_world(group), group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.weight.shape[1]:
+            raise InputError(f"RowParallelLinear expects this rank's {self.weight.shape[1]} input features (the "
+                             f"output of a ColumnParallelLinear), got {x.shape[-1]}: pass the column-parallel "
+                             f"layer's output, not the full activation")
         out = nn.functional.linear(x, self.weight)
         dist.all_reduce(out, group=self.group)  # in place; captured as a collective kernel under NCCL
         return out + self.bias if self.bias is not None else out

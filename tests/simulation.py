@@ -55,7 +55,10 @@ class SimulatedBackend:
         return None
 
     def capture(self, fn, *, warmup=3, pool=None, on_last_warmup=None, on_warmup=None, what="function",
-                debug=False):
+                debug=False, inspect=None, breaks=None):
+        if inspect is not None or breaks is not None:
+            raise NotImplementedError("the CPU simulation does not simulate node tables (inspect=True) or piecewise "
+                                      "capture (breaks=); those need a CUDA device")
         with torch.no_grad():
             for i in range(warmup):
                 out = fn()

@@ -111,6 +111,8 @@ def test_without_a_process_group_or_with_bad_shapes_the_errors_say_what_to_do():
         RowParallelLinear(nn.Linear(5, 3), 0, 2)
     with pytest.raises(InputError, match="nn.Linear"):
         ColumnParallelLinear(nn.Conv1d(2, 2, 1), 0, 2)
+    with pytest.raises(InputError, match="this rank's 2 input features"):
+        RowParallelLinear(nn.Linear(4, 3), 0, 2)(torch.ones(1, 4))  # the full activation, not the shard
     import cgutils as cg
     with pytest.raises(InputError, match="distributed must be"):
         cg.GraphRunner(nn.Linear(2, 2), distributed="world")
