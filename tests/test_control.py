@@ -20,7 +20,8 @@ def test_while_node_eager_runs_while_the_condition_holds_and_stops_at_max_iters(
 
     assert int(cg.while_node(cond, body, max_iters=100)) == 5 and int(x) == 5
     cond.fill_(True)
-    assert int(cg.while_node(cond, lambda: x.add_(1), max_iters=3)) == 3 and int(x) == 8  # never clears: capped
+    with pytest.warns(UserWarning, match="stopped at max_iters=3"):
+        assert int(cg.while_node(cond, lambda: x.add_(1), max_iters=3)) == 3 and int(x) == 8  # never clears: capped
     assert int(cg.while_node(torch.zeros(1, dtype=torch.int32), body, max_iters=3)) == 0
 
 
@@ -244,3 +245,18 @@ def test_waits_for_gpu_names_the_syncs_a_body_cannot_hold():
     }
     for name, (func, args, kwargs) in fine.items():
         assert waits_for_gpu(func, args, kwargs, on_gpu=on_gpu) is None, name
+
+
+def test_without_cuda_capture_says_so_first():
+    """A CPU tensor on a machine without CUDA was answered with "move it to cuda"; capture_graph raised
+    torch's raw "Found no NVIDIA driver" from deep inside."""
+    from simulation import SimulatedBackend
+
+    from cgutils.errors import NoCudaError
+    no_gpu = SimulatedBackend()
+    no_gpu.available = lambda: False
+    with pytest.raises(NoCudaError, match="GraphRunner needs a CUDA device"):
+        cg.GraphRunner(torch.nn.Linear(2, 2), backend=no_gpu)(torch.ones(1, 2))
+    if not torch.cuda.is_available():
+        with pytest.raises(NoCudaError, match="capture_graph needs a CUDA device"):
+            cg.capture_graph(lambda: None, warmup=1)

@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -398,6 +399,10 @@ def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, p
         while done < max_iters and _read(cond):
             _run_body(body)
             done += 1
+        if done and done == max_iters and _read(cond):
+            warnings.warn(f"while_node stopped at max_iters={max_iters} with its condition still set: the loop was "
+                          f"cut short (under capture it would be too); raise max_iters if that was not meant",
+                          stacklevel=2)
     return torch.full((1,), done, dtype=torch.int32, device=cond.device)
 
 

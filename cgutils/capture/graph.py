@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..checks import check_int, first_line
+from ..checks import check_int, first_line, require_cuda
 from ..diagnose import explain, failure_site, find_sync_points
 from ..errors import CaptureError
 from .ending import end_abandoned_capture
@@ -195,9 +195,11 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
 
     Raises:
         InputError: ``warmup`` is not an int >= 1.
+        NoCudaError: no CUDA device is visible.
         CaptureError: capture failed; ``.original`` holds the error, ``.explanation`` cause and fix.
     """
     check_int("warmup", warmup, minimum=1, why="lazy initialisation must not be captured")
+    require_cuda("capture_graph", "call the function eagerly instead")
     side = _warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with autocast_without_cache():

@@ -190,10 +190,10 @@ class GraphRunner:
         pattern = call.pattern()
         specs = None
         if not any(same_value(pattern, seen) for seen in self._accepted):
+            if not self._backend.available():  # first: "move it to cuda" cannot help on a machine without one
+                require_cuda("GraphRunner", "call the model eagerly instead")
             specs = call.specs()
             check_inputs(specs, self._spec, strict=self.strict, device_type=self._backend.device_type)
-            if not self._backend.available():
-                require_cuda("GraphRunner", "call the model eagerly instead")
             self._buckets.check_pad_names(call.named)
         self._stream = self._backend.follow(self._stream)
         out = self._run(call)
