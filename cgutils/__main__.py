@@ -28,7 +28,8 @@ def _at_least(minimum: float, kind: type):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         if value < minimum or (kind is float and value == minimum):  # a float bound is exclusive
             raise argparse.ArgumentTypeError(f"must be {'>=' if kind is int else '>'} {minimum}, got {text}")
         return value
@@ -130,7 +131,10 @@ def cmd_figures(args: argparse.Namespace) -> int:
     mode, their plotting cells write to ``figures/``. No GPU needed."""
     os.environ["CGUTILS_MODE"] = "recorded"
     os.environ["CGUTILS_REDRAW_FIGURES"] = "1"  # the kernels inherit both
-    return _execute_notebooks(args.notebooks, args.timeout, "redrawing figures")
+    status = _execute_notebooks(args.notebooks, args.timeout, "redrawing figures")
+    if status == 0:
+        print(f"figures redrawn in {env.REPO_ROOT / 'figures'} (executed notebooks in build/notebooks/)")
+    return status
 
 
 def _execute_notebooks(stems: list[str] | None, timeout: int, desc: str) -> int:
@@ -188,7 +192,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .workloads import DTYPES, WORKLOADS
 
-    parser = argparse.ArgumentParser(prog="python -m cgutils", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cgutils", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="device, mode, versions").set_defaults(func=cmd_env)
     b = sub.add_parser("bench", help="benchmark suites (recorded tables without CUDA)")
@@ -196,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="; ".join(f"{s.name}{' (default)' if s.name == DEFAULT_SUITE else ''}: {s.description}"
                                   for s in SUITES.values()))
     b.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None, help="speedup suite only")
-    b.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "fp16"])
-    b.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    b.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["fp32", "fp16"],
+                   help="dtypes to measure (default: fp32 fp16)")
+    b.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="speedup suite: the ways of running each model to time (default: all)")
     b.add_argument("--budget", type=_at_least(0, float), default=2.0, help="timed seconds per row (default 2)")
     b.add_argument("--trials", type=_at_least(1, int), default=Options.trials,
                    help=f"interleaved trials per workload and dtype, speedup suite only (default {Options.trials})")
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
     f.set_defaults(func=cmd_figures)
     t = sub.add_parser("trace", help="summarise a torch.profiler Chrome trace (.json or .json.gz)")
-    t.add_argument("file")
+    t.add_argument("file", help="a torch.profiler Chrome trace (.json or .json.gz), e.g. from cgutils.profile")
     t.add_argument("--range", help="also break down the GPU work launched inside this annotation")
     t.set_defaults(func=cmd_trace)
     args = parser.parse_args(argv)

@@ -49,7 +49,9 @@ def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = No
     Call it on every rank, right before a capture (or any collective whose inputs depend on the rank's data),
     with a description of what the rank will do, e.g. a GraphRunner signature ``"x:(1, 4096) bfloat16"``.
     It is itself a collective (``all_gather_object`` over the group's backend), so it must be reached by all
-    ranks; with the default NCCL timeout a rank that never calls it still ends in a timeout error, not a hang.
+    ranks. A rank that never calls it leaves the others waiting until the process group's timeout
+    (``init_process_group(timeout=...)``); that timeout is then raised here as a ``CaptureError`` naming this rank
+    and the comparison.
 
     Args:
         value: what this rank is about to capture.
@@ -58,14 +60,21 @@ def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = No
 
     Raises:
         InputError: torch.distributed is not initialised, or ``value`` is not a string.
-        CaptureError: the ranks disagree (``cause="rank_divergence"``); the message lists each distinct value
-            with its ranks.
+        CaptureError: the ranks disagree (``cause="rank_divergence"``): the message lists each distinct value
+            with its ranks; or the other ranks did not all come before the group's timeout.
     """
     if not isinstance(value, str):
         raise InputError(f"value must be a string describing what this rank captures, got {type(value).__name__}")
     rank, world = rank_and_world(group)
     values: list[Any] = [None] * world
-    dist.all_gather_object(values, value, group=group)
+    try:
+        dist.all_gather_object(values, value, group=group)
+    except RuntimeError as exc:  # the backend's timeout (init_process_group(timeout=...)) or a rank that died
+        raise CaptureError(
+            f"rank {rank} of {world} waited for the other ranks to compare {what} and they did not all come "
+            f"(all_gather_object failed: {str(exc).splitlines()[0][:200]}). A rank that skips the capture, "
+            f"replays while the others capture, or died, leaves the rest waiting; call the runner on every rank "
+            f"with the same inputs. The process group's timeout bounds this wait", cause="rank_divergence") from exc
     distinct: dict[str, list[int]] = {}
     for r, v in enumerate(values):
         distinct.setdefault(v, []).append(r)

@@ -116,3 +116,28 @@ def test_without_a_process_group_or_with_bad_shapes_the_errors_say_what_to_do():
     import cgutils as cg
     with pytest.raises(InputError, match="distributed must be"):
         cg.GraphRunner(nn.Linear(2, 2), distributed="world")
+
+
+def _skipping_worker(rank, init_file, out_dir):
+    """Rank 1 never reaches the comparison (it skips the capture); rank 0 must not hang."""
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=3))
+    result = {}
+    if rank == 0:
+        try:
+            agree_across_ranks("x:(2, 8) float32", what="GraphRunner(mlp) capture")
+        except CaptureError as exc:
+            result["timeout"] = (exc.cause, str(exc))
+    torch.save(result, f"{out_dir}/skip{rank}.pt")
+
+
+def test_a_rank_that_never_comes_ends_in_an_error_not_a_hang(tmp_path):
+    import time
+
+    start = time.monotonic()
+    mp.spawn(_skipping_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    assert time.monotonic() - start < 60
+    cause, message = torch.load(tmp_path / "skip0.pt")["timeout"]
+    assert cause == "rank_divergence" and "rank 0 of 2 waited" in message and "GraphRunner(mlp) capture" in message
