@@ -39,6 +39,18 @@ def check_int(name: str, value: Any, *, minimum: int = 0, why: str = "") -> int:
     return value
 
 
+def check_index(name: str, value: Any, count: int, what: str) -> int:
+    """Return ``value`` if it indexes one of ``count`` items (``0..count-1``, or negative from the end).
+
+    Raises:
+        InputError: naming ``name``, the range and ``what`` the items are, e.g.
+            ``launch=5: the trace holds 2 graph launches (0..1, or negative from the end)``.
+    """
+    if not is_int(value) or not -count <= value < count:
+        raise InputError(f"{name}={value!r}: {what} ({count} of them: 0..{count - 1}, or negative from the end)")
+    return value
+
+
 def check_sizes(name: str, sizes: Any, *, example: str = "(128, 256, 512)") -> tuple[int, ...]:
     """A non-empty collection of positive ints (bucket sizes), sorted and without repeats.
 

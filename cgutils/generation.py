@@ -51,9 +51,10 @@ class StaticKVState(nn.Module):
     built once per step.
     """
 
-    def __init__(self, model: nn.Module, batch: int, max_len: int):
+    def __init__(self, model: nn.Module, batch: int, max_len: int, heads: int | None = None):
         """Allocate the cache for ``model`` (a GPT2LMHeadModel), ``batch`` rows and ``max_len`` positions,
-        on the model's device and in its dtype.
+        on the model's device and in its dtype; ``heads``: the attention heads this state holds (default:
+        all; a tensor-parallel rank holds its share).
 
         Raises:
             InputError: ``max_len`` larger than the model's position table.
@@ -64,8 +65,8 @@ class StaticKVState(nn.Module):
             raise InputError(f"max_len {max_len} exceeds GPT-2's {cfg.n_positions} positions")
         p = next(model.parameters())
         self.model = model
-        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
-        shape = (cfg.n_layer, 2, batch, cfg.n_head, max_len, self.head_dim)
+        self.n_head, self.head_dim = heads or cfg.n_head, cfg.n_embd // cfg.n_head
+        shape = (cfg.n_layer, 2, batch, self.n_head, max_len, self.head_dim)
         self.register_buffer("kv_cache", torch.zeros(shape, dtype=p.dtype, device=p.device))
         self.register_buffer("pos", torch.zeros(1, dtype=torch.int64, device=p.device))
         self.register_buffer("token", torch.zeros(batch, 1, dtype=torch.int64, device=p.device))
@@ -112,6 +113,64 @@ class StaticKVState(nn.Module):
         return nxt
 
 
+def check_gpt2(model: nn.Module, who: str) -> None:
+    """Raise :class:`InputError` unless ``model`` looks like a transformers ``GPT2LMHeadModel``."""
+    if not (hasattr(model, "transformer") and hasattr(model, "lm_head") and hasattr(model.config, "n_positions")):
+        raise InputError(f"{who} needs a transformers GPT2LMHeadModel, got {type(model).__name__}")
+
+
+def capped_length_buckets(model: nn.Module, length_buckets: Any) -> tuple[int, ...]:
+    """The checked length buckets, capped at GPT-2's position table (a longer cache is useless)."""
+    n_pos = model.config.n_positions
+    return tuple(sorted({min(b, n_pos) for b in check_sizes("length_buckets", length_buckets,
+                                                            example="(128, 256, 512, 1024)")}))
+
+
+def check_prompt(model: nn.Module, prompt: Any, max_new_tokens: Any) -> tuple[int, int]:
+    """Check a decoding request; returns the prompt's ``(batch, length)``. One host sync (the token-id range).
+
+    Raises:
+        InputError: ``prompt`` is not a non-empty (batch, length) int64 tensor on the model's device, holds
+            ids outside ``[0, vocab)``, or ``max_new_tokens`` is not an int >= 1.
+    """
+    dev = model.lm_head.weight.device
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
+        raise InputError("prompt must be a (batch, length) int64 tensor of token ids, got "
+                         f"{getattr(prompt, 'dtype', type(prompt).__name__)} "
+                         f"with shape {tuple(getattr(prompt, 'shape', ()))}")
+    if prompt.device != dev:
+        raise InputError(f"prompt is on {prompt.device} but the model is on {dev}; use prompt.to({str(dev)!r})")
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    b, T = prompt.shape
+    if b == 0 or T == 0:
+        raise InputError(f"prompt must hold at least one row and one token, got shape {tuple(prompt.shape)}")
+    vocab = model.config.vocab_size
+    lo, hi = torch.stack(torch.aminmax(prompt)).tolist()
+    if lo < 0 or hi >= vocab:
+        raise InputError(f"token ids must lie in [0, {vocab}), got values from {lo} to {hi}")
+    return b, T
+
+
+def pick_sizes(model: nn.Module, batch: int, length: int, batch_buckets: tuple, length_buckets: tuple) -> tuple[int, int]:
+    """The (batch bucket, length bucket) that hold ``batch`` rows of ``length`` positions (prompt + new tokens).
+
+    Raises:
+        InputError: larger than the largest bucket, or than GPT-2's position table.
+    """
+    n_pos = model.config.n_positions
+    B = pick_bucket(batch, batch_buckets, "batch size", "pass a larger batch_buckets=(..., n) or split the batch")
+    S = pick_bucket(length, length_buckets, "prompt + new tokens",
+                    f"GPT-2 holds at most {n_pos} positions: shorten the prompt or generate fewer tokens"
+                    if length > n_pos else "pass a larger length_buckets=(..., n)")
+    return B, S
+
+
+def pad_rows(prompt: torch.Tensor, batch: int) -> torch.Tensor:
+    """``prompt`` with its last row repeated up to ``batch`` rows (outputs of padding rows are sliced off)."""
+    b, T = prompt.shape
+    return torch.cat([prompt, prompt[-1:].expand(batch - b, T)]) if batch > b else prompt
+
+
 @dataclass
 class _Slot:
     state: StaticKVState
@@ -156,8 +215,7 @@ class GreedyDecoder:
                  backend: CudaBackend = CUDA):
         if mode not in MODES:
             raise InputError(f"mode must be one of {MODES}, got {mode!r}")
-        if not (hasattr(model, "transformer") and hasattr(model, "lm_head") and hasattr(model.config, "n_positions")):
-            raise InputError(f"GreedyDecoder needs a transformers GPT2LMHeadModel, got {type(model).__name__}")
+        check_gpt2(model, "GreedyDecoder")
         check_int("steps_per_graph", steps_per_graph, minimum=1, why="decode steps per captured graph")
         self.steps_per_graph = steps_per_graph
         if fuse and mode != "graph":
@@ -171,9 +229,7 @@ class GreedyDecoder:
             warnings.warn("GreedyDecoder got a model in training mode; call model.eval()", stacklevel=2)
         self.model, self.mode = model, mode
         self.batch_buckets = check_sizes("batch_buckets", batch_buckets, example="(1, 2, 4, 8)")
-        # a cache longer than the position table is useless: cap the length buckets at it
-        n_pos = model.config.n_positions
-        self.length_buckets = tuple(sorted({min(b, n_pos) for b in check_sizes("length_buckets", length_buckets, example="(128, 256, 512, 1024)")}))
+        self.length_buckets = capped_length_buckets(model, length_buckets)
         self._slots: dict[tuple[int, int], _Slot] = {}
         self._backend = backend
         self._pool = backend.new_pool() if mode == "graph" else None
@@ -233,31 +289,12 @@ class GreedyDecoder:
                 ``[0, vocab)``; sizes beyond the buckets or GPT-2's position table; ``step_times``
                 without CUDA.
         """
-        dev = self.model.lm_head.weight.device
-        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
-            raise InputError("prompt must be a (batch, length) int64 tensor of token ids, got "
-                             f"{getattr(prompt, 'dtype', type(prompt).__name__)} "
-                             f"with shape {tuple(getattr(prompt, 'shape', ()))}")
-        if prompt.device != dev:
-            raise InputError(f"prompt is on {prompt.device} but the model is on {dev}; use prompt.to({str(dev)!r})")
-        check_int("max_new_tokens", max_new_tokens, minimum=1)
-        b, T = prompt.shape
-        if b == 0 or T == 0:
-            raise InputError(f"prompt must hold at least one row and one token, got shape {tuple(prompt.shape)}")
-        vocab = self.model.config.vocab_size
-        lo, hi = int(prompt.min()), int(prompt.max())  # a sync, but outside any graph
-        if lo < 0 or hi >= vocab:
-            raise InputError(f"token ids must lie in [0, {vocab}), got values from {lo} to {hi}")
-        if step_times is not None and dev.type != "cuda":
+        b, T = check_prompt(self.model, prompt, max_new_tokens)  # a sync, but outside any graph
+        if step_times is not None and self.model.lm_head.weight.device.type != "cuda":
             raise InputError("step_times uses CUDA events; it needs the model on a CUDA device")
-        B = pick_bucket(b, self.batch_buckets, "batch size", "pass a larger batch_buckets=(..., n) or split the batch")
-        S = pick_bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens",
-                    f"GPT-2 holds at most {self.model.config.n_positions} positions: shorten the prompt or "
-                    f"generate fewer tokens" if T + max_new_tokens > self.model.config.n_positions else
-                    "pass a larger length_buckets=(..., n)")
+        B, S = pick_sizes(self.model, b, T + max_new_tokens, self.batch_buckets, self.length_buckets)
         slot = self._slot(B, S)
-        padded = torch.cat([prompt, prompt[-1:].expand(B - b, T)]) if B > b else prompt
-        slot.state.prefill(padded)
+        slot.state.prefill(pad_rows(prompt, B))
         remaining = max_new_tokens - 1
         if slot.block is not None and step_times is None:
             for _ in range(remaining // slot.block_steps):

@@ -20,12 +20,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture.buckets import pick_bucket
 from .capture.control import while_node
 from .capture.graph import CUDA, CudaBackend
 from .checks import check_int, check_sizes
 from .errors import InputError
-from .generation import BATCH_BUCKETS, LENGTH_BUCKETS, StaticKVState
+from .generation import (
+    BATCH_BUCKETS,
+    LENGTH_BUCKETS,
+    StaticKVState,
+    capped_length_buckets,
+    check_gpt2,
+    check_prompt,
+    pad_rows,
+    pick_sizes,
+)
 
 LOOPS = ("device", "host", "eager")
 
@@ -107,8 +115,7 @@ class StopTokenDecoder:
                  backend: CudaBackend = CUDA):
         if loop not in LOOPS:
             raise InputError(f"loop must be one of {LOOPS}, got {loop!r}")
-        if not (hasattr(model, "transformer") and hasattr(model, "lm_head") and hasattr(model.config, "n_positions")):
-            raise InputError(f"StopTokenDecoder needs a transformers GPT2LMHeadModel, got {type(model).__name__}")
+        check_gpt2(model, "StopTokenDecoder")
         vocab = model.config.vocab_size
         self.eos = check_int("eos_token_id", eos_token_id, minimum=0, why="a token id")
         self.pad = self.eos if pad_token_id is None else check_int("pad_token_id", pad_token_id, minimum=0,
@@ -122,9 +129,7 @@ class StopTokenDecoder:
                              f"move it with model.cuda() or use loop='eager'")
         self.model, self.loop, self._backend = model, loop, backend
         self.batch_buckets = check_sizes("batch_buckets", batch_buckets, example="(1, 2, 4, 8)")
-        n_pos = model.config.n_positions
-        self.length_buckets = tuple(sorted({min(b, n_pos) for b in check_sizes("length_buckets", length_buckets,
-                                                                               example="(128, 256, 512, 1024)")}))
+        self.length_buckets = capped_length_buckets(model, length_buckets)
         self._slots: dict[tuple[int, int, int], tuple[StopState, Any, Any]] = {}
         self._pool = backend.new_pool() if loop != "eager" else None
         self.last_launches = self.last_syncs = 0
@@ -174,32 +179,14 @@ class StopTokenDecoder:
             InputError: wrong dtype, rank or device of ``prompt``; token ids outside the vocabulary; sizes
                 beyond the buckets or GPT-2's position table.
         """
-        dev = self.model.lm_head.weight.device
-        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64:
-            raise InputError("prompt must be a (batch, length) int64 tensor of token ids, got "
-                             f"{getattr(prompt, 'dtype', type(prompt).__name__)} with shape "
-                             f"{tuple(getattr(prompt, 'shape', ()))}")
-        if prompt.device != dev:
-            raise InputError(f"prompt is on {prompt.device} but the model is on {dev}; use prompt.to({str(dev)!r})")
-        check_int("max_new_tokens", max_new_tokens, minimum=1)
         if timings is not None and not isinstance(timings, dict):
             raise InputError(f"timings must be a dict to fill in, got {type(timings).__name__}")
-        b, T = prompt.shape
-        if b == 0 or T == 0:
-            raise InputError(f"prompt must hold at least one row and one token, got shape {tuple(prompt.shape)}")
-        vocab = self.model.config.vocab_size
-        lo, hi = torch.stack(torch.aminmax(prompt)).tolist()  # one sync, counted in last_syncs
-        if lo < 0 or hi >= vocab:
-            raise InputError(f"token ids must lie in [0, {vocab}), got values from {lo} to {hi}")
-        n_pos = self.model.config.n_positions
-        B = pick_bucket(b, self.batch_buckets, "batch size", "pass a larger batch_buckets=(..., n) or split the batch")
-        S = pick_bucket(T + max_new_tokens, self.length_buckets, "prompt + new tokens",
-                        f"GPT-2 holds at most {n_pos} positions: shorten the prompt or generate fewer tokens"
-                        if T + max_new_tokens > n_pos else "pass a larger length_buckets=(..., n)")
+        b, T = check_prompt(self.model, prompt, max_new_tokens)  # one sync, counted in last_syncs
+        B, S = pick_sizes(self.model, b, T + max_new_tokens, self.batch_buckets, self.length_buckets)
         state, start, step = self._slot(B, T, S)
         t0 = time.perf_counter()
         first = None
-        state.prompt.copy_(torch.cat([prompt, prompt[-1:].expand(B - b, T)]) if B > b else prompt)
+        state.prompt.copy_(pad_rows(prompt, B))
         state.limit.fill_(T + max_new_tokens)
         start()
         launches, syncs = (1, 1) if self.loop != "eager" else (0, 1)  # syncs: the token-id check above

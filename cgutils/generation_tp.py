@@ -18,10 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import check_int
 from .distributed import rank_and_world
 from .errors import InputError
-from .generation import StaticKVState
+from .generation import StaticKVState, check_prompt
 
 
 class TensorParallelKVState(StaticKVState):
@@ -37,18 +36,15 @@ class TensorParallelKVState(StaticKVState):
     """
 
     def __init__(self, model: nn.Module, batch: int, max_len: int, *, group: Any = None):
-        super().__init__(model, batch, max_len)
         rank, world = rank_and_world(group)
-        cfg, D = model.config, self.head_dim
+        cfg = model.config
         if cfg.n_head % world:
             raise InputError(f"GPT-2's {cfg.n_head} heads do not divide among {world} ranks; use a world size that "
                              f"divides the head count")
-        self.group, self.world = group, world
         heads = cfg.n_head // world
-        C = cfg.n_embd
-        self.n_head = heads
-        self.kv_cache = torch.zeros(cfg.n_layer, 2, batch, heads, max_len, D, dtype=self.kv_cache.dtype,
-                                    device=self.kv_cache.device)
+        super().__init__(model, batch, max_len, heads=heads)  # this rank's heads only in the KV cache
+        self.group, self.world = group, world
+        C, D = cfg.n_embd, self.head_dim
         cols = torch.arange(rank * heads * D, (rank + 1) * heads * D)
         qkv = torch.cat([cols + j * C for j in range(3)])  # this rank's q, k and v columns of c_attn
         inner = model.transformer.h[0].mlp.c_fc.weight.shape[1]
@@ -95,11 +91,7 @@ def tp_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, 
     Raises:
         InputError: as :class:`TensorParallelKVState`; a bad prompt or ``max_new_tokens``.
     """
-    check_int("max_new_tokens", max_new_tokens, minimum=1)
-    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.dtype != torch.int64 or 0 in prompt.shape:
-        raise InputError(f"prompt must be a non-empty (batch, length) int64 tensor, got "
-                         f"{getattr(prompt, 'dtype', type(prompt).__name__)} {tuple(getattr(prompt, 'shape', ()))}")
-    B, T = prompt.shape
+    B, T = check_prompt(model, prompt, max_new_tokens)
     state = TensorParallelKVState(model, B, T + max_new_tokens, group=group)
     state.prefill(prompt)
     for _ in range(max_new_tokens - 1):

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..checks import check_index
 from ..errors import CgutilsError, InputError
 from .cudadriver import check as _call
 from .cudadriver import cuda_driver
@@ -424,9 +425,7 @@ def node_times(table: pd.DataFrame, trace: Any, *, launch: int = -1) -> pd.DataF
     if not correlations:
         raise InputError(f"{getattr(trace, 'path', 'the trace')} holds no cudaGraphLaunch with GPU work; profile "
                          f"a replay of the graph (cgutils.profile(runner_call, path))")
-    if not -len(correlations) <= launch < len(correlations):
-        raise InputError(f"launch={launch}: the trace holds {len(correlations)} graph launches "
-                         f"(0..{len(correlations) - 1}, or negative from the end)")
+    check_index("launch", launch, len(correlations), "the graph launches in the trace")
     corr = correlations[launch]
     acts = graph_links[graph_links.correlation == corr].sort_values("ts", kind="stable")
     queues: dict[tuple[str, str], collections.deque] = collections.defaultdict(collections.deque)

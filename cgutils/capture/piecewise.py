@@ -113,13 +113,22 @@ class PiecewiseGraph:
 
     pieces: list[Any]
     breaks: list[Break] = field(default_factory=list)
+    _runs: list[Any] | None = field(default=None, repr=False, compare=False)
+
+    def _segments(self) -> list[Any]:
+        """What a replay runs, in order: piece, break, piece, ... (an empty piece runs nothing)."""
+        runs: list[Any] = []
+        for i, graph in enumerate(self.pieces):
+            runs.append(graph.replay if graph is not None else (lambda: None))
+            if i < len(self.breaks):
+                runs.append(self.breaks[i].run)
+        return runs
 
     def replay(self) -> None:
-        for i, graph in enumerate(self.pieces):
-            if graph is not None:
-                graph.replay()
-            if i < len(self.breaks):
-                self.breaks[i].run()
+        if self._runs is None:  # built once, after capture has filled pieces and breaks: replay is the hot path
+            self._runs = self._segments()
+        for run in self._runs:
+            run()
 
     def table(self) -> pd.DataFrame:
         """The pieces and breaks in replay order: ``step``, ``kind`` (``graph`` / ``eager``), ``name``
@@ -148,12 +157,7 @@ class PiecewiseGraph:
             :meth:`table` with ``us`` (median) and ``p90_us``.
         """
         iters = check_int("iters", iters, minimum=1, why="replays to time")
-        steps = [g.replay if g is not None else (lambda: None) for g in self.pieces]
-        runs: list[Any] = []
-        for i, step in enumerate(steps):
-            runs.append(step)
-            if i < len(self.breaks):
-                runs.append(self.breaks[i].run)
+        runs = self._segments()
         samples: list[list[float]] = [[] for _ in runs]
         torch.cuda.synchronize()
         for _ in range(iters):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import check_int, is_number, require_cuda, warn_caller
+from ..checks import check_index, check_int, is_number, require_cuda, warn_caller
 from ..distributed import agree_across_ranks, warm_up_collectives
 from ..errors import CaptureError, InputError
 from .buckets import Buckets, apply_cuts, learn_cuts, resize
@@ -325,10 +325,8 @@ class GraphRunner:
         if not entries:
             raise InputError(f"{self!r} has captured no graph yet: call it once first (capture needs a CUDA "
                              f"device{'' if self._backend.available() else ', which this machine lacks'})")
-        if not -len(entries) <= graph < len(entries):
-            raise InputError(f"graph={graph}: {self!r} holds {len(entries)} graphs (0..{len(entries) - 1} in capture "
-                             f"order, or negative from the end; stats.graphs names their signatures)")
-        return entries[graph]
+        return entries[check_index("graph", graph, len(entries),
+                                   f"the graphs of {self!r} in capture order; stats.graphs names their signatures")]
 
     def node_table(self, graph: int = -1):
         """The nodes of one captured graph (default: the latest), each with the module that added it.
