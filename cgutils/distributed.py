@@ -100,8 +100,9 @@ def warm_up_collectives(device: torch.device | str | None = None, *, group: Any 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     one = torch.ones(1, device=device)
     dist.all_reduce(one, group=group)
-    if int(one.item()) != world:  # a sync, outside any capture on purpose
-        raise CaptureError(f"a warm-up all-reduce summed to {int(one.item())} instead of the world size {world}",
+    total = int(one.item())  # a sync, outside any capture on purpose
+    if total != world:
+        raise CaptureError(f"a warm-up all-reduce summed to {total} instead of the world size {world}",
                            cause="rank_divergence")
 
 
