@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m cgutils", description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("env", help="device, mode, versions").set_defaults(func=cmd_env)
+    sub.add_parser("env", help="device, mode, versions", description="Print the mode (live or recorded), the device "
+                   "and library versions, and the GPUs whose recordings are in results/.").set_defaults(func=cmd_env)
     b = sub.add_parser("bench", help="benchmark suites (recorded tables without CUDA)")
     b.add_argument("suite", nargs="?", choices=list(SUITES), default=DEFAULT_SUITE,
                    help="; ".join(f"{s.name}{' (default)' if s.name == DEFAULT_SUITE else ''}: {s.description}"

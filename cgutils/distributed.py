@@ -135,6 +135,9 @@ class ColumnParallelLinear(nn.Module):
         """This process's shard of ``linear`` (rank and world size from ``group``)."""
         return cls(linear, *rank_and_world(group))
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features_here={self.weight.shape[0]}, bias={self.bias is not None}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
@@ -160,6 +163,9 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> RowParallelLinear:
         """This process's shard of ``linear`` (rank and world size from ``group``)."""
         return cls(linear, *rank_and_world(group), group=group)
+
+    def extra_repr(self) -> str:
+        return f"in_features_here={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias={self.bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.weight.shape[1]:
