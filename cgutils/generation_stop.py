@@ -15,6 +15,7 @@ token for token in the GPU tests and notebook 10).
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -127,6 +128,9 @@ class StopTokenDecoder:
         if loop != "eager" and device.type != backend.device_type:
             raise InputError(f"loop={loop!r} needs the model on a CUDA device (it is on {device}); "
                              f"move it with model.cuda() or use loop='eager'")
+        if model.training:
+            warnings.warn("StopTokenDecoder got a model in training mode (dropout on: tokens vary from call to "
+                          "call); call model.eval()", stacklevel=2)
         self.model, self.loop, self._backend = model, loop, backend
         self.batch_buckets = check_sizes("batch_buckets", batch_buckets, example="(1, 2, 4, 8)")
         self.length_buckets = capped_length_buckets(model, length_buckets)

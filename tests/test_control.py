@@ -260,3 +260,9 @@ def test_without_cuda_capture_says_so_first():
     if not torch.cuda.is_available():
         with pytest.raises(NoCudaError, match="capture_graph needs a CUDA device"):
             cg.capture_graph(lambda: None, warmup=1)
+
+
+def test_stop_token_decoder_warns_about_a_model_in_training_mode():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2))  # train() by default
+    with pytest.warns(UserWarning, match="training mode"):
+        StopTokenDecoder(model, 1, loop="eager")
