@@ -240,6 +240,27 @@ def failure_site(exc: BaseException, user_files: UserFiles | None = None) -> Syn
     return None
 
 
+_eager_only = threading.local()
+
+
+@contextmanager
+def eager_only_sync() -> Iterator[None]:
+    """Mark the syncs made inside as ones that happen only when not capturing (a conditional node's eager loop
+    reads its condition on the host; under capture the GPU reads it). :func:`find_sync_points` does not report
+    them, and a conditional body's sync check allows them. Per thread."""
+    before = getattr(_eager_only, "on", False)
+    _eager_only.on = True
+    try:
+        yield
+    finally:
+        _eager_only.on = before
+
+
+def in_eager_only_sync() -> bool:
+    """Whether this thread is inside :func:`eager_only_sync`."""
+    return getattr(_eager_only, "on", False)
+
+
 class _OpTracker(torch.overrides.TorchFunctionMode):
     """Remembers the outermost torch function being called, to name the op that synchronised."""
 
@@ -301,6 +322,8 @@ class SyncRecorder:
     def _record(self, op: str | None, call: int | None = None) -> None:
         # One user-level call can sync many times inside (printing a tensor syncs once per piece it
         # formats); each user call is reported once.
+        if in_eager_only_sync():
+            return
         stack = traceback.extract_stack()[:-2]
         if threading.get_ident() != self._thread:
             fr = _user_frame(stack, self._user_files) or stack[-1]

@@ -61,3 +61,21 @@ class NoCudaError(CgutilsError, RuntimeError):
 
 class TraceFormatError(CgutilsError, ValueError):
     """A trace file cannot be read as a Chrome/Kineto trace: the message names the file and the problem."""
+
+
+def first_cgutils_error(exc: BaseException) -> CgutilsError | None:
+    """``exc`` if it is a cgutils error, else the first (oldest) cgutils error in its chain of ``__cause__`` /
+    ``__context__``, else ``None``.
+
+    A check of ours inside a captured function (a conditional node's body refused for a sync) raises first;
+    ending the capture then raises an error of its own ("operation failed due to a previous error during
+    capture", torch 2.11 on the H200) with ours as its context. Ours says what went wrong; the other is its
+    consequence."""
+    if isinstance(exc, CgutilsError):
+        return exc
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain and len(chain) < 16:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return next((e for e in reversed(chain) if isinstance(e, CgutilsError)), None)

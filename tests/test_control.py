@@ -266,3 +266,48 @@ def test_stop_token_decoder_warns_about_a_model_in_training_mode():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2))  # train() by default
     with pytest.warns(UserWarning, match="training mode"):
         StopTokenDecoder(model, 1, loop="eager")
+
+
+def test_a_failed_capture_shows_our_own_error_not_its_consequence():
+    """Ending a capture after a body's sync was refused raises "operation failed due to a previous error during
+    capture", with the refusal as its context; capture_graph showed the consequence (H200) and must show ours."""
+    from cgutils.errors import first_cgutils_error
+
+    ours = InputError("a conditional node's body made the host wait for the GPU")
+    try:
+        try:
+            raise ours
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    except RuntimeError as consequence:
+        assert first_cgutils_error(consequence) is ours
+    assert first_cgutils_error(RuntimeError("no error of ours")) is None
+    top = cg.CaptureError("raised as it is")
+    assert first_cgutils_error(top) is top
+
+
+def test_an_eager_only_sync_is_allowed_in_a_body_and_nests():
+    from cgutils.diagnose import eager_only_sync, in_eager_only_sync
+
+    assert not in_eager_only_sync()
+    with eager_only_sync():
+        with eager_only_sync():
+            assert in_eager_only_sync()
+        assert in_eager_only_sync()
+    assert not in_eager_only_sync()
+
+
+def test_random_draws_are_recognised_on_cuda_only():
+    from cgutils.capture.bodysync import draws_random
+
+    aten = torch.ops.aten
+    assert draws_random(aten.randn.default, ([3],), {"device": torch.device("cuda")})
+    assert not draws_random(aten.randn.default, ([3],), {"device": torch.device("cpu")})
+    cpu = torch.zeros(3)
+    assert not draws_random(aten.normal_.default, (cpu,), {})
+    assert not draws_random(aten.add.Tensor, (cpu, cpu), {})
+    # a CPU body may draw (the eager loop draws afresh each time): nothing to refuse
+    cond = torch.ones(1, dtype=torch.bool)
+    seen = []
+    cg.while_node(cond, lambda: (seen.append(torch.rand(1)), cond.fill_(len(seen) < 3)), max_iters=5)
+    assert len(seen) == 3 and len({float(s) for s in seen}) == 3

@@ -567,3 +567,22 @@ def test_a_stateful_forward_that_stores_a_tensor_on_self(validate):
         torch.testing.assert_close(got, twin(x))
         torch.testing.assert_close(model.hidden, twin.hidden)
     assert int(model.n) == int(twin.n) == 3
+
+
+def test_a_failed_capture_gives_its_pool_memory_back():
+    """A capture invalidated by a sync kept its memory pool's reference for ever: the blocks it had taken
+    (here 1 GiB) stayed reserved after their tensors were freed, once per failed capture."""
+    x = torch.ones(4, device="cuda")
+
+    def f():
+        big = torch.ones(256 * 2**20, device="cuda")  # 1 GiB, taken from the capture's pool
+        return big[:4] * float(x.sum())  # a sync: invalidates the capture
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    for _ in range(3):
+        with pytest.raises(cg.CaptureError):
+            cg.capture_graph(f, warmup=1)
+        torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() - before < 2**30

@@ -8,28 +8,14 @@ capturing, to refuse those calls with an explanation first; :func:`waits_for_gpu
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..diagnose import in_eager_only_sync
 from ..errors import InputError
-
-_reading = threading.local()
-
-
-@contextlib.contextmanager
-def reading_condition() -> Iterator[None]:
-    """The eager loop's own read of its condition: a sync that an enclosing body's check must allow."""
-    before = getattr(_reading, "on", False)
-    _reading.on = True
-    try:
-        yield
-    finally:
-        _reading.on = before
 
 
 def _ops(names: list[tuple[str, str]]) -> set:
@@ -110,9 +96,32 @@ def _copy(func: Any, args: tuple, kwargs: dict, gpu: Callable[[torch.Tensor], bo
     return None
 
 
+def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the ATen call draws random numbers on a CUDA device (ops tagged ``nondeterministic_seeded``:
+    ``rand``, ``normal_``, ``dropout`` in training mode, ``multinomial``, ...). A captured kernel draws at a
+    Philox offset fixed at capture plus a base that PyTorch advances once per replay (``CUDAGraph::replay``
+    in aten/src/ATen/cuda/CUDAGraph.cpp, by the whole graph's increment), so a body repeated inside one replay
+    repeats its draws."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device).type == "cuda"
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if tensors:
+        return any(t.is_cuda for t in tensors)
+    return torch.get_default_device().type == "cuda"
+
+
 class RefuseSyncs(TorchDispatchMode):
     """Refuse the tensor operations that make the host wait for a CUDA tensor (:func:`waits_for_gpu`). A
     dispatch mode applies to its own thread only, unlike ``torch.cuda.set_sync_debug_mode``."""
+
+    def __init__(self, loop: bool = False):
+        """Args: loop: the body repeats inside one replay (a WHILE node's, or nested in one): random draws are
+        refused too (:func:`draws_random`)."""
+        super().__init__()
+        self.loop = loop
 
     # torch.cond, flex_attention and other higher-order operators pass through (unchecked) instead of raising
     # "no rule registered for HigherOrderOperator"
@@ -126,10 +135,16 @@ class RefuseSyncs(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        why = None if getattr(_reading, "on", False) else waits_for_gpu(func, args, kwargs)
+        why = None if in_eager_only_sync() else waits_for_gpu(func, args, kwargs)
         if why is not None:
             raise InputError(
                 f"a conditional node's body made the host wait for the GPU: {why}. The body runs on the GPU and "
                 f"cannot wait for the host: keep .item(), bool(tensor), data-dependent shapes, printing and "
                 f"host copies out of it (cgutils.find_sync_points(body) lists them)")
+        if self.loop and draws_random(func, args, kwargs):
+            raise InputError(
+                f"a WHILE node's body draws random numbers ({func}): under capture the body is one captured "
+                f"kernel sequence with one random offset, so every iteration of a replay would draw the same "
+                f"numbers (eagerly they differ). Draw them before the loop, e.g. one (max_iters, ...) tensor "
+                f"indexed by a GPU step counter, or pass a precomputed noise buffer")
         return func(*args, **kwargs)

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 
 from ..checks import check_int
+from ..diagnose import eager_only_sync
 from ..errors import CgutilsError, DependencyError, InputError
-from .bodysync import RefuseSyncs, reading_condition
+from .bodysync import RefuseSyncs
 from .cudadriver import check as _call
 from .cudadriver import cuda_driver
 from .poolscope import current_pool
@@ -88,8 +89,8 @@ def inside_body() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def _run_body(body: Callable[[], Any]) -> None:
-    with _body():
+def _run_body(body: Callable[[], Any], loop: bool) -> None:
+    with _body(loop):
         out = body()
     if inspect.isgenerator(out) or inspect.iscoroutine(out):
         raise InputError(f"the body returned a {type(out).__name__} and so ran nothing: pass a plain function "
@@ -97,14 +98,15 @@ def _run_body(body: Callable[[], Any]) -> None:
 
 
 @contextlib.contextmanager
-def _body() -> Iterator[None]:
-    """Run a body: one level deeper, with syncs refused."""
-    _local.depth = getattr(_local, "depth", 0) + 1
+def _body(loop: bool) -> Iterator[None]:
+    """Run a body: one level deeper, with syncs refused (and random draws, inside a loop's body)."""
+    depth, loops = getattr(_local, "depth", 0), getattr(_local, "loops", 0)
+    _local.depth, _local.loops = depth + 1, loops + loop
     try:
-        with RefuseSyncs():
+        with RefuseSyncs(loop=_local.loops > 0):
             yield
     finally:
-        _local.depth -= 1
+        _local.depth, _local.loops = depth, loops
 
 
 def _compile(capability: tuple[int, int]) -> bytes:
@@ -198,7 +200,7 @@ def _on_body_stream(cond: torch.Tensor) -> Iterator[None]:
 
 
 def _read(cond: torch.Tensor) -> bool:
-    with reading_condition():
+    with eager_only_sync():
         return bool(cond.reshape(()))
 
 
@@ -300,7 +302,7 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                     _call(driver, "cuStreamBeginCaptureToGraph",
                           driver.cuStreamBeginCaptureToGraph(b, body_graph, None, None, 0, mode))
                     try:
-                        _run_body(body)
+                        _run_body(body, kind == "while")
                         if kind == "while":
                             _launch("cg_loop_next", b, handle, cond, *loop)
                     except BaseException:
@@ -382,7 +384,8 @@ def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, p
 
     Raises:
         InputError: ``cond`` is not a one-element bool/integer tensor, ``max_iters`` is not in
-            ``[0, 2**31 - 1]``, no pool is known or ``pool`` is not the capture's, or the body syncs.
+            ``[0, 2**31 - 1]``, no pool is known or ``pool`` is not the capture's, the body syncs, or it
+            draws random numbers on the GPU (each iteration would repeat them under capture).
         DependencyError: cuda-python is not installed (``pip install cuda-bindings``).
         CgutilsError: the body could not be captured, or NVRTC could not compile the condition kernel.
     """
@@ -397,7 +400,7 @@ def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, p
     done = 0
     with _on_body_stream(cond):
         while done < max_iters and _read(cond):
-            _run_body(body)
+            _run_body(body, True)
             done += 1
         if done and done == max_iters and _read(cond):
             warnings.warn(f"while_node stopped at max_iters={max_iters} with its condition still set: the loop was "
@@ -433,6 +436,6 @@ def if_node(pred: torch.Tensor, body: Callable[[], Any], else_body: Callable[[],
         return
     with _on_body_stream(pred):
         if _read(pred):
-            _run_body(body)
+            _run_body(body, False)
         elif else_body is not None:
-            _run_body(else_body)
+            _run_body(else_body, False)

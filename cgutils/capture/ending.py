@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 
-def end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cuda.Stream, pool: Any,
-                          release: bool = False) -> None:
-    """End ``graph``'s capture after an error, and stop the allocator routing to the memory pool ``pool``
-    (the handle the capture began with).
+def end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cuda.Stream, pool: Any, *,
+                          capture_ended: bool = False) -> None:
+    """End ``graph``'s capture after an error, stop the allocator routing to the memory pool ``pool`` (the
+    handle the capture began with), and drop the capture's reference to ``pool`` if the graph never will.
 
     ``CUDAGraph::capture_end`` calls ``cudaStreamEndCapture`` first and raises when it fails, as it does for
     an invalidated capture, before it tells the caching allocators that the capture is over
@@ -19,21 +19,29 @@ def end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cud
     binding in torch 2.11), and it refuses every later capture into ``pool`` with "beginAllocateToPool:
     already recording to mempool_id" (measured on the H200): after a failed capture, capture into a new pool.
 
+    The capture's begin took a reference to ``pool``. A graph whose ``capture_end`` succeeded drops it when
+    destroyed; one whose ``capture_end`` failed never does, so it is dropped here: a pool made for this
+    capture returns its blocks once their tensors are freed, and a shared pool is not kept alive for ever.
+    (Dropping it after a successful ``capture_end`` as well released the pool twice: an abort, H200.)
+
     Args:
-        release: also drop the capture's reference to ``pool`` (for a pool made for this capture alone),
-            so its blocks return to the allocator once their tensors are freed.
+        capture_ended: ``capture_end`` already ran and succeeded (``torch.cuda.graph``'s exit calls it even
+            when the captured code raised); a second call would fail and look like a failed capture.
     """
-    with torch.cuda.stream(capture_stream):
-        try:
-            graph.capture_end()
-        except RuntimeError:
-            pass  # an invalidated capture ends with an error; ended is what matters
+    ended = capture_ended
+    if not ended:
+        with torch.cuda.stream(capture_stream):
+            try:
+                graph.capture_end()
+                ended = True
+            except RuntimeError:
+                pass  # an invalidated capture ends with an error; ended is what matters
     device = capture_stream.device.index
     try:
         torch._C._cuda_endAllocateToPool(device, tuple(pool))
     except RuntimeError:
         pass  # capture_end got that far itself: nothing is recording any more
-    if release:
+    if not ended:
         try:
             torch._C._cuda_releasePool(device, tuple(pool))
         except RuntimeError:

@@ -12,7 +12,7 @@ import torch
 
 from ..checks import check_int, first_line, require_cuda
 from ..diagnose import explain, failure_site, find_sync_points
-from ..errors import CaptureError
+from ..errors import CaptureError, first_cgutils_error
 from .ending import end_abandoned_capture
 from .piecewise import BreakPlan, capture_pieces
 from .poolscope import capture_pool
@@ -83,6 +83,22 @@ def _warmup_stream() -> torch.cuda.Stream:
     if dev not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[dev] = torch.cuda.Stream()
     return _WARMUP_STREAMS[dev]
+
+
+class _Ending:
+    """``torch.cuda.graph`` that remembers whether its exit's ``capture_end`` succeeded (it runs even when the
+    captured code raised; after a failure the pool's reference is then the caller's to drop)."""
+
+    def __init__(self, graph_ctx: Any):
+        self.graph, self.ended = graph_ctx, False
+
+    def __enter__(self) -> Any:
+        return self.graph.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = self.graph.__exit__(*exc)
+        self.ended = True
+        return out
 
 
 def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> CaptureError:
@@ -228,7 +244,7 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                 graph = torch.cuda.CUDAGraph(keep_graph=True) if inspect is not None else torch.cuda.CUDAGraph()
                 if debug:
                     graph.enable_debug_mode()
-                ctx = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+                ctx = _Ending(torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"))
                 try:
                     # capture_pool: while_node/if_node called by fn route their bodies' allocations to pool
                     with watch, ctx, torch.no_grad(), capture_pool(pool):
@@ -236,7 +252,7 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                 except Exception:
                     # torch.cuda.graph's __exit__ calls capture_end before leaving its stream context, so an
                     # error there left the caller on the capture stream (torch 2.11 and 2.14 alike).
-                    end_abandoned_capture(graph, ctx.capture_stream, pool)
+                    end_abandoned_capture(graph, ctx.graph.capture_stream, pool, capture_ended=ctx.ended)
                     raise
                 if inspect is not None:
                     graph.instantiate()  # kept graphs instantiate lazily: not on the first replay's clock
@@ -244,8 +260,9 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
             torch.cuda.set_stream(stream)
             reset_rng_after_failed_capture()
             rng_restore(rng)
-            if isinstance(exc, CaptureError):
-                raise
+            ours = first_cgutils_error(exc)
+            if ours is not None:
+                raise ours from None
             raise capture_failure(exc, fn, what) from exc
     torch.cuda.synchronize()
     return graph, static_out

@@ -326,11 +326,11 @@ class PieceCapture:
                 torch.cuda.current_stream().wait_stream(self.stream)
         return out
 
-    def abandon(self, release: bool = False) -> None:
+    def abandon(self) -> None:
         """End a capture that an error interrupted, so the stream stops capturing and the allocator stops
-        routing allocations to the pool (``release``: a pool of this capture's own, dropped too)."""
+        routing allocations to the pool (:func:`~cgutils.capture.ending.end_abandoned_capture`)."""
         if self.current is not None:
-            end_abandoned_capture(self.current, self.stream, self.pool, release=release)
+            end_abandoned_capture(self.current, self.stream, self.pool)
             self.current = None
             torch.cuda.current_stream().wait_stream(self.stream)
 
@@ -440,10 +440,7 @@ def _find_breaks(fn: Any, plan: BreakPlan, stream: torch.cuda.Stream, reset: Any
         except BaseException as exc:
             why = explain(exc) if isinstance(exc, Exception) else None
             breakable = why is not None and why.key in _BREAKABLE
-            # release the throw-away pool only when the capture was invalidated (a sync): capture_end then
-            # fails and the graph never releases it. After any other error capture_end succeeds and the
-            # graph's destructor releases the pool itself; releasing it here as well would do it twice.
-            cap.abandon(release=breakable)
+            cap.abandon()
             if not breakable:
                 raise
             if reset is not None:
