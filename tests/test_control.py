@@ -311,3 +311,21 @@ def test_random_draws_are_recognised_on_cuda_only():
     seen = []
     cg.while_node(cond, lambda: (seen.append(torch.rand(1)), cond.fill_(len(seen) < 3)), max_iters=5)
     assert len(seen) == 3 and len({float(s) for s in seen}) == 3
+
+
+def test_attention_and_dropout_draw_only_with_dropout_on():
+    """scaled_dot_product_attention is tagged as seeded whatever its dropout_p: GPT-2's decode step (dropout_p=0)
+    was refused as drawing random numbers inside StopTokenDecoder's WHILE body (H200)."""
+    from cgutils.capture.bodysync import draws_random
+
+    aten = torch.ops.aten
+    q = torch.zeros(1, 1, 2, 4)
+    cuda = torch.device("cuda")
+    assert not draws_random(aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, False, 0.0),
+                            {"device": cuda})
+    assert draws_random(aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, False, 0.1),
+                        {"device": cuda})
+    assert not draws_random(aten.native_dropout.default, (q, 0.5, False), {"device": cuda})
+    assert not draws_random(aten.native_dropout.default, (q, 0.0, True), {"device": cuda})
+    assert draws_random(aten.native_dropout.default, (q, 0.5, True), {"device": cuda})
+    assert draws_random(aten.bernoulli_.float, (q, 0.0), {"device": cuda})  # p is a probability, not dropout

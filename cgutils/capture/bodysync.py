@@ -98,11 +98,21 @@ def _copy(func: Any, args: tuple, kwargs: dict, gpu: Callable[[torch.Tensor], bo
 
 def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the ATen call draws random numbers on a CUDA device (ops tagged ``nondeterministic_seeded``:
-    ``rand``, ``normal_``, ``dropout`` in training mode, ``multinomial``, ...). A captured kernel draws at a
+    ``rand``, ``normal_``, ``dropout`` in training mode, ``multinomial``, ...; attention, RNN and dropout ops
+    only with a non-zero dropout probability and in training). A captured kernel draws at a
     Philox offset fixed at capture plus a base that PyTorch advances once per replay (``CUDAGraph::replay``
     in aten/src/ATen/cuda/CUDAGraph.cpp, by the whole graph's increment), so a body repeated inside one replay
     repeats its draws."""
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    # the tag is on the op, not the call: attention, RNNs and dropout draw only when dropout is on
+    schema = getattr(func, "_schema", None)
+    named = {a.name: v for a, v in zip(schema.arguments, args, strict=False)} if schema is not None else {}
+    named.update(kwargs)
+    if named.get("train", named.get("training", True)) is False:
+        return False
+    p = named.get("dropout_p", named.get("dropout", named.get("p") if "dropout" in str(func) else None))
+    if isinstance(p, (int, float)) and p == 0:
         return False
     device = kwargs.get("device")
     if device is not None:
