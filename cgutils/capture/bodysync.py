@@ -107,7 +107,9 @@ def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
         return False
     # the tag is on the op, not the call: attention, RNNs and dropout draw only when dropout is on
     schema = getattr(func, "_schema", None)
-    named = {a.name: v for a, v in zip(schema.arguments, args, strict=False)} if schema is not None else {}
+    arguments = schema.arguments if schema is not None else []
+    named = {a.name: a.default_value for a in arguments if a.has_default_value()}  # dispatch omits defaults
+    named.update({a.name: v for a, v in zip(arguments, args, strict=False)})
     named.update(kwargs)
     if named.get("train", named.get("training", True)) is False:
         return False
