@@ -51,7 +51,10 @@ def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = No
     It is itself a collective (``all_gather_object`` over the group's backend), so it must be reached by all
     ranks. A rank that never calls it leaves the others waiting until the process group's timeout
     (``init_process_group(timeout=...)``); that timeout is then raised here as a ``CaptureError`` naming this rank
-    and the comparison.
+    and the comparison. A rank that died (gloo: "Connection closed by peer") is reported the same way. After
+    that error the group is broken: end it with ``dist.destroy_process_group()`` before the process exits;
+    leaving a gloo group alive after a failed collective was seen here to abort the process at exit
+    ("terminate called without an active exception", torch 2.14 CPU).
 
     Args:
         value: what this rank is about to capture.
