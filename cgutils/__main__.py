@@ -70,7 +70,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     suite = SUITES[args.suite]
     if not env.cuda_available() or env.mode() == "recorded":
         given = [f"--{k}" for k in ("workloads", "out") if getattr(args, k)]
-        note = f" ({', '.join(given)} apply to measuring and are ignored.)" if given else ""
+        verbs = ("applies", "is") if len(given) == 1 else ("apply", "are")
+        note = f" ({' and '.join(given)} {verbs[0]} only to measuring and {verbs[1]} ignored here.)" if given else ""
         return _show_recorded(suite, f"No CUDA device visible: nothing measured here.{note}", args.markdown)
     store = live_store()
     if args.show:
@@ -233,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except CgutilsError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # the reader stopped early (`| head`): end quietly, with stdout pointed at devnull so that the
+        # interpreter's final flush does not raise again (Python docs, signal module, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 

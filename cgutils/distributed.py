@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checks import check_int, require_cuda
 from .errors import CaptureError, InputError
 
 
@@ -96,11 +97,14 @@ def warm_up_collectives(device: torch.device | str | None = None, *, group: Any 
 
     Raises:
         InputError: torch.distributed is not initialised.
+        NoCudaError: ``device`` is a CUDA device and none is visible.
         CaptureError: the ranks' sums disagree with the world size (a broken group).
     """
     _, world = rank_and_world(group)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda":
+        require_cuda("warm_up_collectives(device='cuda')", "pass device='cpu' with the gloo backend")
     one = torch.ones(1, device=device)
     dist.all_reduce(one, group=group)
     total = int(one.item())  # a sync, outside any capture on purpose
@@ -110,6 +114,11 @@ def warm_up_collectives(device: torch.device | str | None = None, *, group: Any 
 
 
 def _shard(n: int, rank: int, world: int, what: str) -> slice:
+    world = check_int("world", world, minimum=1, why="the number of ranks")
+    rank = check_int("rank", rank, minimum=0, why="this process's rank")
+    if rank >= world:
+        raise InputError(f"rank {rank} is not one of the {world} ranks (0..{world - 1}); use from_linear(linear), "
+                         f"which reads both from the process group")
     if n % world:
         raise InputError(f"{what} ({n}) is not divisible by the number of ranks ({world}); choose a world size "
                          f"that divides it")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .distributed import rank_and_world
+from .distributed import agree_across_ranks, rank_and_world
 from .errors import InputError
 from .generation import StaticKVState, check_prompt
 
@@ -88,12 +88,32 @@ def tp_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, 
     """Greedy continuation of ``prompt`` (B, T) int64 by ``max_new_tokens`` tokens, this rank's shard of GPT-2
     run eagerly (every rank calls it with the same prompt): (B, T + max_new_tokens) int64, equal on all ranks.
 
+    The ranks first compare their requests (prompt shape and tokens, ``max_new_tokens``; one
+    ``all_gather_object``): ranks that disagree would send all-reduces of different sizes (gloo aborts the
+    process, NCCL hangs) or mix different prompts' partial sums into wrong tokens.
+
     Raises:
-        InputError: as :class:`TensorParallelKVState`; a bad prompt or ``max_new_tokens``.
+        InputError: as :class:`TensorParallelKVState`; a bad prompt or ``max_new_tokens`` (on every rank).
+        CaptureError: the ranks' requests differ (``cause="rank_divergence"``), on every rank.
     """
-    B, T = check_prompt(model, prompt, max_new_tokens)
+    try:
+        B, T = check_prompt(model, prompt, max_new_tokens)
+        request, invalid = _describe(prompt, max_new_tokens), None
+    except InputError as exc:  # told to the other ranks too, so that none waits in a collective
+        request, invalid = f"an invalid request: {exc}", exc
+    agree_across_ranks(request, what="tp_generate's request", group=group)
+    if invalid is not None:
+        raise invalid
     state = TensorParallelKVState(model, B, T + max_new_tokens, group=group)
     state.prefill(prompt)
     for _ in range(max_new_tokens - 1):
         state.decode_step()
     return state.generated[:, : T + max_new_tokens].clone()
+
+
+def _describe(prompt: torch.Tensor, max_new_tokens: int) -> str:
+    """The request as the ranks compare it: shape and dtype, a digest of the tokens, the length."""
+    import hashlib
+
+    digest = hashlib.sha256(prompt.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
+    return f"prompt {tuple(prompt.shape)} {prompt.dtype} tokens sha256:{digest}, max_new_tokens={max_new_tokens}"

@@ -83,7 +83,9 @@ def test_measuring_flags_are_named_as_ignored_without_cuda(recorded_table):
     silently showing a recording that looks like the answer to them."""
     r = run_cli("bench", "--workloads", "resnet50", "--out", "somewhere", env={"CGUTILS_RESULTS": str(recorded_table)})
     assert r.returncode == 0, r.stderr
-    assert "(--workloads, --out apply to measuring and are ignored.)" in r.stdout.splitlines()[0]
+    assert "(--workloads and --out apply only to measuring and are ignored here.)" in r.stdout.splitlines()[0]
+    r = run_cli("bench", "--out", "somewhere", env={"CGUTILS_RESULTS": str(recorded_table)})
+    assert "(--out applies only to measuring and is ignored here.)" in r.stdout.splitlines()[0]
 
 
 @pytest.mark.parametrize("suite, needle", [("pitfalls", "`Tensor.item` at line"), ("memory", "own_pool"),
@@ -164,3 +166,16 @@ def test_record_check_honours_notebooks(capsys):
     assert "01_launch_overhead" in out and "02_capture" not in out
     assert main(["record", "--check", "--notebooks", "nope"]) == 1
     assert "no recorded cells in notebook(s) nope" in capsys.readouterr().err
+
+
+def test_output_cut_short_by_the_reader_ends_quietly():
+    """`bench generation --markdown | head -1` ended in a BrokenPipeError traceback."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "cgutils", "bench", "generation", "--markdown"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away, as `head -1` does
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+

@@ -41,6 +41,13 @@ def _worker(rank, init_file, out_dir):
         prompt = torch.randint(0, gpt2.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
         result["tp_tokens"] = tp_generate(gpt2, prompt, 12)
         result["tokens"] = hf_generate(gpt2, prompt, 12)
+        # requests that differ between ranks: gloo aborted both processes on the first all-reduce
+        for key, (p, n) in {"shape": (prompt[:, : 4 + rank], 3), "tokens": ((prompt + rank) % 100, 3),
+                            "invalid": (prompt, 0 if rank == 0 else 3)}.items():
+            try:
+                tp_generate(gpt2, p, n)
+            except CaptureError as exc:
+                result[f"differ_{key}"] = str(exc)
         result["kv_heads"] = TensorParallelKVState(gpt2, 1, 16).kv_cache.shape[3]
         try:
             TensorParallelKVState(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=24, n_head=3)), 1, 8)
@@ -84,6 +91,13 @@ def test_tensor_parallel_gpt2_tokens_equal_transformers(results):
         assert "3 heads do not divide among 2 ranks" in r["bad_heads"]
 
 
+def test_tp_generate_refuses_requests_that_differ_between_ranks(results):
+    for r in results:
+        assert "rank 0: 'prompt (2, 4) torch.int64" in r["differ_shape"] and "rank 1: 'prompt (2, 5)" in r["differ_shape"]
+        assert "tokens sha256:" in r["differ_tokens"] and "ranks disagree about tp_generate's request" in r["differ_tokens"]
+        assert "rank 0: 'an invalid request: max_new_tokens must be an int >= 1" in r["differ_invalid"]
+
+
 def test_graph_runner_names_a_rank_that_would_capture_other_shapes(results):
     for r in results:
         assert r["same_shapes"] < 1e-6
@@ -111,6 +125,21 @@ def test_without_a_process_group_or_with_bad_shapes_the_errors_say_what_to_do():
         RowParallelLinear(nn.Linear(5, 3), 0, 2)
     with pytest.raises(InputError, match="nn.Linear"):
         ColumnParallelLinear(nn.Conv1d(2, 2, 1), 0, 2)
+    for rank, world, match in ((2, 2, "rank 2 is not one of the 2 ranks"), (-1, 2, "rank must be an int >= 0"),
+                               (0, 0, "world must be an int >= 1")):
+        with pytest.raises(InputError, match=match):
+            ColumnParallelLinear(nn.Linear(4, 4), rank, world)
+        with pytest.raises(InputError, match=match):
+            RowParallelLinear(nn.Linear(4, 4), rank, world)
+    if not torch.cuda.is_available():
+        from cgutils.errors import NoCudaError
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+            try:
+                with pytest.raises(NoCudaError, match="pass device='cpu'"):
+                    warm_up_collectives("cuda")
+            finally:
+                dist.destroy_process_group()
     with pytest.raises(InputError, match="this rank's 2 input features"):
         RowParallelLinear(nn.Linear(4, 3), 0, 2)(torch.ones(1, 4))  # the full activation, not the shard
     import cgutils as cg
