@@ -11,6 +11,7 @@ included (NCCL documentation, "Using NCCL with CUDA Graphs").
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -113,7 +114,5 @@ def tp_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, 
 
 def _describe(prompt: torch.Tensor, max_new_tokens: int) -> str:
     """The request as the ranks compare it: shape and dtype, a digest of the tokens, the length."""
-    import hashlib
-
     digest = hashlib.sha256(prompt.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:12]
     return f"prompt {tuple(prompt.shape)} {prompt.dtype} tokens sha256:{digest}, max_new_tokens={max_new_tokens}"
