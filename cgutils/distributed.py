@@ -44,7 +44,11 @@ def rank_and_world(group: Any = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = None) -> None:
+_CAPTURE_FIX = ("Every rank must capture the same work, or the collectives inside the graph wait for each other forever; "
+                "give every rank the same shapes (pad to a common bucket) and the same graph key")
+
+
+def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = None, fix: str = _CAPTURE_FIX) -> None:
     """Check that every rank of ``group`` passes the same ``value``; raise on every rank if not.
 
     Call it on every rank, right before a capture (or any collective whose inputs depend on the rank's data),
@@ -60,6 +64,7 @@ def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = No
     Args:
         value: what this rank is about to capture.
         what: named in the error, e.g. ``"GraphRunner(decoder) capture"``.
+        fix: what the error tells the caller to do when the ranks disagree (default: a capture's advice).
         group: the process group (default: the world).
 
     Raises:
@@ -86,9 +91,8 @@ def agree_across_ranks(value: str, *, what: str = "the capture", group: Any = No
         listing = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {v!r}"
                             for v, rs in distinct.items())
         raise CaptureError(
-            f"the ranks disagree about {what} (this is rank {rank} of {world}): {listing}. Every rank must capture "
-            f"the same work, or the collectives inside the graph wait for each other forever; give every rank the "
-            f"same shapes (pad to a common bucket) and the same graph key", cause="rank_divergence")
+            f"the ranks disagree about {what} (this is rank {rank} of {world}): {listing}. {fix}",
+            cause="rank_divergence")
 
 
 def warm_up_collectives(device: torch.device | str | None = None, *, group: Any = None) -> None:

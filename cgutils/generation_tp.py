@@ -87,22 +87,26 @@ class TensorParallelKVState(StaticKVState):
 @torch.no_grad()
 def tp_generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, group: Any = None) -> torch.Tensor:
     """Greedy continuation of ``prompt`` (B, T) int64 by ``max_new_tokens`` tokens, this rank's shard of GPT-2
-    run eagerly (every rank calls it with the same prompt): (B, T + max_new_tokens) int64, equal on all ranks.
+    run eagerly (every rank calls it with the same prompt, and every rank's model holds the same weights, as
+    loaded from one checkpoint: weights are not compared): (B, T + max_new_tokens) int64, equal on all ranks.
 
     The ranks first compare their requests (prompt shape and tokens, ``max_new_tokens``; one
     ``all_gather_object``): ranks that disagree would send all-reduces of different sizes (gloo aborts the
     process, NCCL hangs) or mix different prompts' partial sums into wrong tokens.
 
     Raises:
-        InputError: as :class:`TensorParallelKVState`; a bad prompt or ``max_new_tokens`` (on every rank).
-        CaptureError: the ranks' requests differ (``cause="rank_divergence"``), on every rank.
+        InputError: as :class:`TensorParallelKVState`; a bad prompt or ``max_new_tokens``, when every rank passed
+            the same one.
+        CaptureError: the ranks' requests differ, also when only some are invalid (``cause="rank_divergence"``,
+            the message lists each rank's request or its error), on every rank.
     """
     try:
         B, T = check_prompt(model, prompt, max_new_tokens)
         request, invalid = _describe(prompt, max_new_tokens), None
     except InputError as exc:  # told to the other ranks too, so that none waits in a collective
         request, invalid = f"an invalid request: {exc}", exc
-    agree_across_ranks(request, what="tp_generate's request", group=group)
+    agree_across_ranks(request, what="tp_generate's request", group=group,
+                       fix="Pass every rank the same prompt (tokens and shape) and the same max_new_tokens")
     if invalid is not None:
         raise invalid
     state = TensorParallelKVState(model, B, T + max_new_tokens, group=group)

@@ -95,6 +95,7 @@ def test_tp_generate_refuses_requests_that_differ_between_ranks(results):
     for r in results:
         assert "rank 0: 'prompt (2, 4) torch.int64" in r["differ_shape"] and "rank 1: 'prompt (2, 5)" in r["differ_shape"]
         assert "tokens sha256:" in r["differ_tokens"] and "ranks disagree about tp_generate's request" in r["differ_tokens"]
+        assert r["differ_tokens"].endswith("Pass every rank the same prompt (tokens and shape) and the same max_new_tokens")
         assert "rank 0: 'an invalid request: max_new_tokens must be an int >= 1" in r["differ_invalid"]
 
 
