@@ -3,6 +3,8 @@
 Public API (re-exports only; each name lives in the module that owns it).
 """
 
+import sys
+
 from .annotate import annotate_modules, nvtx_range, range_overhead_us
 from .bench import (
     DECODER_LABELS,
@@ -54,9 +56,9 @@ from .errors import (
     RecordingError,
     StaleRecordingError,
     TraceFormatError,
+    exception_chain,
 )
-from .generation import GreedyDecoder, StaticKVState, hf_generate
-from .generation_stop import StopTokenDecoder, hf_generate_until_eos
+from .generation import GreedyDecoder, StaticKVState, StopTokenDecoder, hf_generate, hf_generate_until_eos
 from .overhead import gpu_activity, runtime_calls
 from .pitfalls import PITFALLS, DropoutNet, Scaled
 from .recorded import setup_notebook
@@ -78,7 +80,7 @@ __all__ = [
     "explain", "find_sync_points", "user_code", "SyncPoint", "SyncRecorder", "PITFALLS", "DropoutNet", "Scaled",
     # errors
     "CaptureError", "CgutilsError", "DependencyError", "InputError", "NoCudaError", "RecordingError", "StaleRecordingError",
-    "RecordedCellError", "TraceFormatError",
+    "RecordedCellError", "TraceFormatError", "exception_chain",
     # timing, annotation, traces, launch overhead
     "Timing", "device_sync", "measure", "interleaved_trials", "summarize_trials", "nvtx_range", "annotate_modules",
     "range_overhead_us", "Trace", "compare", "load_trace", "profile", "gpu_activity", "runtime_calls",
@@ -90,3 +92,7 @@ __all__ = [
     "ResultsStore", "current_store", "check_recordings", "setup_notebook", "mode", "provenance",
 ]
 __version__ = "0.1.0"
+
+from . import moved as _moved  # noqa: E402  (old module paths, after the packages they point into)
+
+_moved.register(sys.modules[__name__])

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .checks import require_cuda
-from .errors import InputError
+from .errors import InputError, exception_chain
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,8 @@ def explain(exc: BaseException | str) -> Explanation | None:
     """
     if not isinstance(exc, (BaseException, str)):
         raise InputError(f"explain takes an exception or its message, got {type(exc).__name__}")
-    text = str(exc)
-    seen = 0
-    while isinstance(exc, BaseException) and seen < 10:  # the first failure is often in the chain
-        exc = exc.__cause__ or exc.__context__
-        if exc is not None:
-            text += "\n" + str(exc)
-        seen += 1
+    # the first failure is often further down the chain
+    text = exc if isinstance(exc, str) else "\n".join(str(e) for e in exception_chain(exc, limit=11))
     for key, pattern, cause, fix in _RULES:
         if re.search(pattern, text, flags=re.IGNORECASE):
             return Explanation(key, cause, fix, pattern)
@@ -225,15 +220,11 @@ def failure_site(exc: BaseException, user_files: UserFiles | None = None) -> Syn
     is the exception type; ``None`` if no such frame. For a failed capture this is the line that made the
     call CUDA refused, which an eager rerun cannot tell apart from syncs that happen only when not capturing.
 
-    The chain of ``__cause__`` / ``__context__`` is followed to the first error: ``torch.cuda.graph``'s exit
+    The :func:`~cgutils.errors.exception_chain` is followed to the first error: ``torch.cuda.graph``'s exit
     ends the capture, and that raises an error of its own ("operation failed due to a previous error during
     capture") with the one from the user's line as its context."""
     files = _user_file_set(user_files)
-    chain: list[BaseException] = []
-    while exc is not None and exc not in chain and len(chain) < 16:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    for e in reversed(chain):  # the first error first
+    for e in reversed(exception_chain(exc)):  # the first error first
         fr = _user_frame(traceback.extract_tb(e.__traceback__), files)
         if fr is not None:
             return SyncPoint(type(e).__name__, fr.filename, fr.lineno or 0, (fr.line or "").strip(), fr.name)

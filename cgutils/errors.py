@@ -63,19 +63,27 @@ class TraceFormatError(CgutilsError, ValueError):
     """A trace file cannot be read as a Chrome/Kineto trace: the message names the file and the problem."""
 
 
+def exception_chain(exc: BaseException | None, limit: int = 16) -> list[BaseException]:
+    """``exc`` and the errors behind it, newest first: each one's ``__cause__`` (``raise ... from``), else its
+    ``__context__`` (raised while handling), at most ``limit`` of them, a cycle cut where it closes.
+
+    The oldest error (last) is usually the one that says what went wrong: ``torch.cuda.graph``'s exit ends a
+    failed capture, and that raises an error of its own ("operation failed due to a previous error during
+    capture", torch 2.11) with the user's error as its context."""
+    chain: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in chain) and len(chain) < limit:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
 def first_cgutils_error(exc: BaseException) -> CgutilsError | None:
-    """``exc`` if it is a cgutils error, else the first (oldest) cgutils error in its chain of ``__cause__`` /
-    ``__context__``, else ``None``.
+    """``exc`` if it is a cgutils error, else the first (oldest) cgutils error in its :func:`exception_chain`,
+    else ``None``.
 
     A check of ours inside a captured function (a conditional node's body refused for a sync) raises first;
-    ending the capture then raises an error of its own ("operation failed due to a previous error during
-    capture", torch 2.11 on the H200) with ours as its context. Ours says what went wrong; the other is its
-    consequence."""
+    ending the capture then raises an error of its own with ours as its context. Ours says what went wrong;
+    the other is its consequence."""
     if isinstance(exc, CgutilsError):
         return exc
-    chain: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in chain and len(chain) < 16:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return next((e for e in reversed(chain) if isinstance(e, CgutilsError)), None)
+    return next((e for e in reversed(exception_chain(exc)) if isinstance(e, CgutilsError)), None)

@@ -88,7 +88,7 @@ def test_measuring_flags_are_named_as_ignored_without_cuda(recorded_table):
     assert "(--out applies only to measuring and is ignored here.)" in r.stdout.splitlines()[0]
 
 
-@pytest.mark.parametrize("suite, needle", [("pitfalls", "`Tensor.item` at line"), ("memory", "own_pool"),
+@pytest.mark.parametrize("suite, needle", [("pitfalls", "`Tensor.item` at reproducers.py line"), ("memory", "own_pool"),
                                            ("methods", "runner_compiled_static_vs_compile_ro")])
 def test_suites_show_their_tables_and_extras(suite, needle):
     """Each suite prints more than its tables where it has more to say: the pitfalls' markdown names

@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import cgutils as cg
 from cgutils.errors import InputError
-from cgutils.generation_stop import StopTokenDecoder, hf_generate_until_eos
+from cgutils.generation.until_eos import StopTokenDecoder, hf_generate_until_eos
 
 
 def test_while_node_eager_runs_while_the_condition_holds_and_stops_at_max_iters():

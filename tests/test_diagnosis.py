@@ -228,3 +228,34 @@ def test_an_unforked_side_stream_is_named_at_its_join(monkeypatch):
     err, _ = _failure_with(monkeypatch, "operation failed due to a previous error during capture",
                            unforked_joins=[join])
     assert err.cause == "unforked_stream" and "model.py:40" in str(err) and "side.wait_stream" in str(err)
+
+
+def test_exception_chain_is_the_one_walk_newest_first_cut_at_cycles():
+    """The walk along __cause__/__context__ existed three times (explain, failure_site, first_cgutils_error),
+    with two limits and two ways to stop at a cycle (issue 22); one function now, used by all three."""
+    try:
+        try:
+            raise ValueError("first")
+        except ValueError as first:
+            raise RuntimeError("second") from first
+    except RuntimeError as second:
+        chain = cg.exception_chain(second)
+    assert [str(e) for e in chain] == ["second", "first"]
+    a, b = KeyError("a"), KeyError("b")
+    a.__context__, b.__context__ = b, a  # a cycle: must end
+    assert cg.exception_chain(a) == [a, b]
+    assert len(cg.exception_chain(_deep(30))) == 16 and len(cg.exception_chain(_deep(30), limit=3)) == 3
+    assert cg.exception_chain(None) == []
+    # explain reads the whole chain: the cause of a consequence names the rule
+    wrapped = RuntimeError("operation failed due to a previous error during capture")
+    wrapped.__context__ = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    assert cg.explain(wrapped) is not None
+
+
+def _deep(n):
+    exc = ValueError(0)
+    for i in range(1, n):
+        new = ValueError(i)
+        new.__context__ = exc
+        exc = new
+    return exc

@@ -8,8 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from cgutils.distributed import ColumnParallelLinear, RowParallelLinear, agree_across_ranks, warm_up_collectives
+from cgutils.capture.ranks import agree_across_ranks, warm_up_collectives
 from cgutils.errors import CaptureError, InputError
+from cgutils.generation.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 WORLD = 2
 
@@ -35,7 +36,7 @@ def _worker(rank, init_file, out_dir):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         from cgutils import hf_generate
-        from cgutils.generation_tp import TensorParallelKVState, tp_generate
+        from cgutils.generation.tensor_parallel import TensorParallelKVState, tp_generate
         torch.manual_seed(0)
         gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).eval()
         prompt = torch.randint(0, gpt2.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))

@@ -340,7 +340,7 @@ def _mlp(width=1024, depth=8):
 def test_threads_and_streams_each_get_their_own_result():
     """A runner shared by 8 worker threads, each on its own stream: results belonged to other threads'
     inputs (copy-in, replay and copy-out were not kept together, and streams were not ordered)."""
-    from cgutils.pitfall_cases_real_use import run_in_threads
+    from cgutils.pitfalls.outside import run_in_threads
 
     model = _mlp()
     runner = cg.GraphRunner(model)

@@ -167,7 +167,7 @@ def test_a_body_that_syncs_is_refused_before_capture():
 def test_stop_token_decoder_one_launch_per_sequence_equals_transformers(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from cgutils.generation_stop import StopTokenDecoder, hf_generate_until_eos
+    from cgutils.generation.until_eos import StopTokenDecoder, hf_generate_until_eos
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4)).cuda().eval()
     prompt = torch.randint(0, model.config.vocab_size, (3, 6), generator=torch.Generator().manual_seed(6)).cuda()

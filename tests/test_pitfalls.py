@@ -10,10 +10,8 @@ import pytest
 import torch
 
 import cgutils as cg
-from cgutils import pitfall_cases as cases
-from cgutils import pitfall_cases_real_use as real
-from cgutils import pitfalls, pitfalls_real_use
-from cgutils.pitfalls import PITFALLS, Pitfall, run_entry
+from cgutils import pitfalls
+from cgutils.pitfalls import PITFALLS, REAL_USE, Pitfall, entry, outside, reproducers, run_entry, steps
 
 REAL_USE_KEYS = ["shared_threads", "inplace_input", "stateful_buffer", "rebound_attribute", "failed_capture_stream",
                  "other_thread_work", "external_sync", "unforked_stream", "sampling", "many_shapes"]
@@ -34,24 +32,25 @@ def test_sync_reproducers_mark_their_offending_line(key):
     assert pitfalls.MARK in open(inspect.getsourcefile(p.bad)).read().splitlines()[line - 1]
 
 
-def test_every_entry_marks_its_offending_line_in_its_own_file():
-    """The reproducers now live in two files; each marked line must be found in the file of its reproducer."""
+def test_every_entry_marks_its_offending_line_in_the_reproducers_file():
+    """The reproducers lived in two files, now in one (pitfalls/reproducers.py, issue 22); each marked line must
+    be found there, where sync points are reported."""
     for key, p in PITFALLS.items():
         line = p.marked_line
         assert line is not None, key
+        assert inspect.getsourcefile(p.bad) == reproducers.__file__, key
         assert pitfalls.MARK in open(inspect.getsourcefile(p.bad)).read().splitlines()[line - 1], key
 
 
 def test_real_use_entries_follow_the_others_one_per_kind():
     """Issue 11: every kind of real-use failure gets an entry, after the first catalogue's entries, each with
     an expectation the GPU test asserts."""
-    assert list(pitfalls_real_use.REAL_USE) == REAL_USE_KEYS
+    assert list(REAL_USE) == REAL_USE_KEYS
     assert list(PITFALLS)[-len(REAL_USE_KEYS):] == REAL_USE_KEYS
     assert len(PITFALLS) == len(set(PITFALLS))
     for key in REAL_USE_KEYS:
         p = PITFALLS[key]
         assert p.kind in pitfalls.KINDS and p.expect and "exception" in p.expect, key
-        assert inspect.getsourcefile(p.bad) == pitfalls_real_use.__file__, key
 
 
 def test_recorded_outcomes_are_not_claimed_in_fix_texts():
@@ -113,7 +112,7 @@ def test_markdown_table_escapes_pipes_and_names_the_op():
     df = pd.DataFrame([{"title": "t", "kind": "loud", "exception": "CaptureError", "cause": "sync",
                         "op": "Tensor.item", "line": 7, "message": "a | b", "original": "", "fix": "x | y"}])
     md = pitfalls.markdown_table(df)
-    assert "`Tensor.item` at line 7" in md and "a / b" in md and "x / y" in md
+    assert "`Tensor.item` at reproducers.py line 7" in md and "a / b" in md and "x / y" in md
 
 
 def test_markdown_shows_the_silent_outcome_and_current_fix_text():
@@ -126,6 +125,7 @@ def test_markdown_shows_the_silent_outcome_and_current_fix_text():
 
 
 def test_markdown_prefers_what_the_run_says_happened_and_names_the_reproducers_file():
+    """Every sync is reported at a line of pitfalls/reproducers.py; the table names the file."""
     df = pd.DataFrame([
         {"key": "item", "title": "t", "kind": "loud", "exception": "CaptureError", "cause": "sync", "op": "Tensor.item",
          "line": 111, "message": "m", "original": "CUDA error", "fix": "f", "happens": None},
@@ -136,8 +136,8 @@ def test_markdown_prefers_what_the_run_says_happened_and_names_the_reproducers_f
          "op": None, "line": None, "original": None, "fix": "f", "happens": "replays draw new samples",
          "message": "replay differs from eager: max relative error 0.5 > rtol 0.001"}])
     md = pitfalls.markdown_table(df).splitlines()
-    assert "`Tensor.item` at line 111" in md[2] and "| CUDA error |" in md[2]  # a CSV round trip: NaN happens
-    assert "`Tensor.item` at pitfalls_real_use.py line 125" in md[3] and "the stream is left" in md[3]
+    assert "`Tensor.item` at reproducers.py line 111" in md[2] and "| CUDA error |" in md[2]  # a CSV round trip: NaN happens
+    assert "`Tensor.item` at reproducers.py line 125" in md[3] and "the stream is left" in md[3]
     assert "replays draw new samples" in md[4] and "relative error of 0.5" not in md[4]
 
 
@@ -168,29 +168,29 @@ def test_a_failed_raw_capture_puts_the_callers_stream_and_rng_back(how, monkeypa
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: state.update(stream=stream))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
     monkeypatch.setattr(torch.cuda, "graph", _FakeGraphContext(state))
-    monkeypatch.setattr(cases, "reset_rng_after_failed_capture",
+    monkeypatch.setattr(entry, "reset_rng_after_failed_capture",
                         lambda: state.update(rng_resets=state["rng_resets"] + 1))
     if how == "manual_capture":
-        row = cases.manual_capture(lambda: None)
+        row = entry.manual_capture(lambda: None)
     else:
         def bad(x):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 pass
-        row = cases.through_validate_replay(dataclasses.replace(PITFALLS["cpu_input"], bad=bad), torch.ones(4, 8))
+        row = steps.through_validate_replay(dataclasses.replace(PITFALLS["cpu_input"], bad=bad), torch.ones(4, 8))
     assert state == {"stream": "caller's stream", "rng_resets": 1}
     assert row["exception"] == "RuntimeError" and row["cause"] == "invalidated", row
 
 
 def test_external_sync_without_a_cuda_runtime_says_so(monkeypatch):
-    monkeypatch.setattr(real, "cuda_runtime", lambda: None)
-    row = real.external_sync_check(PITFALLS["external_sync"], torch.ones(4, 8))
+    monkeypatch.setattr(outside, "cuda_runtime", lambda: None)
+    row = outside.external_sync_check(PITFALLS["external_sync"], torch.ones(4, 8))
     assert row["available"] is False and row["exception"] == "" and "cudaDeviceSynchronize" in row["message"]
 
 
 def test_cuda_runtime_lookup_never_raises():
     """Without a GPU (or without cuda-python and a loaded libcudart) the lookup returns None; with one, a
     name and a callable that returns None when the sync succeeded."""
-    found = real.cuda_runtime.__wrapped__()  # uncached: the cached value is for the GPU run
+    found = outside.cuda_runtime.__wrapped__()  # uncached: the cached value is for the GPU run
     assert found is None or (isinstance(found[0], str) and callable(found[1]))
     if not torch.cuda.is_available():
         assert found is None
@@ -224,9 +224,9 @@ def test_pitfall_is_diagnosed(key):
 
 @pytest.mark.gpu
 def test_manual_capture_restores_the_stream_after_a_real_failure():
-    x = cases.example()
+    x = entry.example()
     stream = torch.cuda.current_stream()
-    row = cases.manual_capture(lambda: x * x.sum().item())
+    row = entry.manual_capture(lambda: x * x.sum().item())
     assert row["exception"], row
     assert torch.cuda.current_stream() == stream
     torch.rand(4, device="cuda")
@@ -235,9 +235,9 @@ def test_manual_capture_restores_the_stream_after_a_real_failure():
 
 @pytest.mark.gpu
 def test_raw_capture_records_what_a_failure_leaves_and_repairs_it():
-    x = cases.example()
+    x = entry.example()
     stream = torch.cuda.current_stream()
-    raw = real.raw_capture(lambda: x * x.sum().item())
+    raw = entry.raw_capture(lambda: x * x.sum().item())
     assert raw["raw_exception"] and isinstance(raw["raw_stream_restored"], bool) and "raw_rng_ok" in raw, raw
     assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
     torch.rand(4, device="cuda")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cgutils as cg
-from cgutils.pitfall_cases_real_use import run_in_threads
+from cgutils.pitfalls.outside import run_in_threads
 
 
 class Normalise(torch.nn.Module):

@@ -102,6 +102,19 @@ class Buckets:
                 raise InputError(f"pad_value names {unknown}, which are not arguments of this call; the tensor "
                                  f"arguments are {[n for n, _ in named]}")
 
+    def check_example(self, named: list) -> None:
+        """An example call for ``GraphRunner.capture_buckets``: buckets given, tensors in it, lengths they hold.
+
+        Raises:
+            InputError: no buckets, no tensor in the example, or a length the buckets cannot hold.
+        """
+        if not self:
+            raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
+        if not named:
+            raise InputError("capture_buckets needs an example call, e.g. runner.capture_buckets(input_ids=ids, "
+                             "attention_mask=mask): it is padded to each bucket to capture its graph")
+        self.check_lengths(named)
+
     def check_lengths(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Raises InputError, naming the arguments, if bucketed arguments differ in a bucketed dim."""
         for dim in self.sizes:

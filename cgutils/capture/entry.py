@@ -13,8 +13,8 @@ from torch import nn
 
 from ..checks import warn_caller
 from ..errors import CaptureError, InputError
-from .buckets import Buckets, Cuts, copy_padded
-from .compare import check_first_replay, max_rel_error, rtol_for
+from .buckets import Buckets, Cuts, apply_cuts, copy_padded, learn_cuts
+from .compare import check_first_replay, check_padding, max_rel_error, rtol_for
 from .graph import CudaBackend
 from .inspect import NodeAttribution
 from .nest import nbytes, opaque_types, tree_map
@@ -76,6 +76,34 @@ class GraphEntry:
             t.copy_(buf[tuple(slice(0, n) for n in t.shape)])
         for module, name, value in self.attributes if replayed else ():
             setattr(module, name, tree_map(torch.clone, value) if clone else value)
+
+    def output(self, static: Any, padded: dict, clone: bool, eager: Callable[[], Any],
+               rtol: Callable[[], float] | None) -> Any:
+        """The static outputs, cut back along the padded input dims (``padded``, from
+        :meth:`~cgutils.capture.buckets.Buckets.padded`) and cloned with ``clone``.
+
+        The dims to cut are learned per graph by :func:`~cgutils.capture.buckets.learn_cuts` from the first call
+        that pads each input dim, with one ``eager()`` call at the caller's shapes; with ``rtol`` (validation on: it
+        returns the tolerance, computed only when needed) the same eager result checks that padding left the real positions alone.
+
+        Raises:
+            CaptureError: ``cause="padding"``: padding changed the result beyond ``rtol``.
+        """
+        if not padded:
+            return tree_map(torch.clone, static) if clone else static
+        if padded.keys() <= self.cuts.keys():
+            return apply_cuts(static, self.cuts, padded, clone)
+        expected = eager()
+        learned, ambiguous = learn_cuts(static, expected, padded)
+        out = apply_cuts(static, {**self.cuts, **learned}, padded, clone)
+        if rtol is not None:
+            check_padding(out, expected, rtol())
+        # Stored only once checked (a call after a failed check must fail the same way), and only for
+        # dims this call told apart: two padded dims with the same (bucket, length) are cut correctly
+        # now, but which one an output dim follows is learned at a later call.
+        self.cuts = {**{k: v for k, v in learned.items() if k not in ambiguous}, **self.cuts}
+        return out
+
 
 
 def load(static_inputs: list[torch.Tensor], named: list[tuple[str, torch.Tensor]], buckets: Buckets) -> None:

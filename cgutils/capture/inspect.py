@@ -317,6 +317,13 @@ def _capture_order(nodes: list[int], deps: dict[int, list[int]], attribution: No
     return out + [n for n in nodes if n not in placed]
 
 
+def captured_node_table(graph: Any, attribution: NodeAttribution | None = None) -> pd.DataFrame:
+    """:func:`node_table` of a kept graph, or of a graph captured in pieces (one that has its own
+    ``node_table``, :class:`~cgutils.capture.piecewise.PiecewiseGraph`: the pieces' nodes, a ``piece`` column)."""
+    own = getattr(graph, "node_table", None)
+    return own(attribution) if callable(own) else node_table(graph, attribution)
+
+
 def node_counts(table: pd.DataFrame) -> pd.DataFrame:
     """Nodes counted by type and kernel family: columns ``type``, ``family``, ``nodes``, most first."""
     _check_table(table, ["type", "family"])

@@ -45,6 +45,7 @@ from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
 from .control import inside_body
 from .ending import end_abandoned_capture
+from .inspect import NODE_COLUMNS, node_table
 from .nest import same_value, tree_leaves, tree_map
 from .poolscope import capture_pool
 
@@ -140,6 +141,19 @@ class PiecewiseGraph:
                 b = self.breaks[i]
                 rows.append({"kind": "eager", "name": b.name, "why": b.why})
         return pd.DataFrame(rows).rename_axis("step").reset_index()
+
+    def node_table(self, attribution: Any = None) -> pd.DataFrame:
+        """The pieces' nodes one after another (:func:`~cgutils.capture.inspect.node_table` of each kept graph),
+        numbered on from one piece to the next so that ``to_dot`` and filters see distinct nodes, with a
+        ``piece`` column (the piece number; join with a trace one piece at a time)."""
+        parts, offset = [], 0
+        for i, g in enumerate(self.pieces):
+            if g is not None:
+                part = node_table(g, attribution)
+                parts.append(part.assign(index=part["index"] + offset, piece=i,
+                                         depends_on=part.depends_on.map(lambda d, o=offset: [x + o for x in d])))
+                offset += len(part)
+        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*NODE_COLUMNS, "piece"])
 
     def segment_times(self, iters: int = 20) -> pd.DataFrame:
         """Wall time of each piece replay and each eager break, µs (median over ``iters`` replays, with a

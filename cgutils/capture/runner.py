@@ -10,11 +10,43 @@ torch.cuda semantics):
    before capture trigger one-time work that must not be recorded (cuBLAS/cuDNN handles, autotuning,
    lazy module initialisation).
 3. *Capture* into one memory pool shared by all graphs of this runner, so graphs for different input
-   shapes reuse each other's freed blocks instead of each reserving its own.
+   shapes reuse each other's freed blocks instead of each reserving its own. After a capture fails, later
+   captures go to a new pool: torch 2.11 leaves the failed one refusing captures (:mod:`~cgutils.capture.ending`).
 4. *Validation* (:mod:`~cgutils.capture.compare`): the first replay is compared with the last eager
    warm-up output; a relative error above tolerance raises :class:`~cgutils.errors.CaptureError`.
 5. *Replay* on every later call with the same input signature (shapes and dtypes): copy in, one
    ``cudaGraphLaunch``, and clone the static outputs (unless ``clone_outputs=False``).
+
+*Buckets* (``buckets={dim: sizes}``): every tensor argument with more than ``dim`` dimensions is padded
+along ``dim`` up to the smallest size in ``sizes`` that holds it, so a few graphs serve every length. Outputs
+are cut back to the caller's length along the dims that follow it: the first call that pads a dim of a graph's
+inputs also runs ``fn`` eagerly once, at the caller's shapes, to see which output dims those are, and with
+``validate`` to check that padding left that call's result alone (one sample: ``validate_replays`` checks
+more calls; ``fn`` must also run at unpadded lengths; the call repeats after a failed check, or while two
+padded dims share a length and bucket). A size above the largest bucket runs eagerly (counted in
+``stats.fallbacks``, with one warning). Padding must not change the real positions' results: for attention
+pass an attention mask, padded with 0 (the default). ``capture_buckets()`` captures every bucket at once,
+largest first, so that the shared pool grows once, to the largest graph's needs, and the smaller graphs reuse
+its blocks; the example is padded (or cut) to each size, so its values only serve warm-up and validation, and
+when it is below a bucket it is replayed once, padded, to learn that graph's cuts (the others learn theirs on
+their first padded call).
+
+*Shapes and dtypes*: each distinct combination of (padded) input shapes and, with ``strict=False``, dtypes
+gets its own graph, captured on first sight; so does each CUDA autocast state (``torch.autocast("cuda",
+dtype=...)`` on or off), since captured kernels keep the dtypes autocast chose at capture. All graphs share one
+memory pool.
+
+*Breaks* (``breaks=``, :mod:`~cgutils.capture.piecewise`): modules that cannot be captured run eagerly between
+graph pieces. ``"auto"`` finds them while capturing: the innermost module running where a capture failed on a
+sync becomes a break, and capture starts again. A break module's outputs must keep their shape from call to
+call. ``pieces()`` lists pieces and breaks, ``segment_times()`` what each costs, ``node_table()`` the nodes.
+
+*Ranks* (``distributed=``): before each capture every rank compares its graph signature with the others'
+(:class:`~cgutils.capture.ranks.CaptureRanks`: a rank with other shapes is named in a ``CaptureError`` on
+every rank, instead of all of them hanging in the graph's collectives), and before the first one a small
+all-reduce sets the communicator up. Every rank must call the runner. Ranks compare only when they capture:
+a rank that replays an existing graph while another captures a new one is not checked (the capturing rank
+then waits), so give all ranks the same shapes.
 
 This module only coordinates: binding and input checks live in ``signature``, padding and output cuts
 in ``buckets``, comparisons in ``compare``, the CUDA calls in ``graph``. Inference only: warm-up,
@@ -28,22 +60,20 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import pandas as pd
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..checks import check_index, check_int, is_number, require_cuda, warn_caller
-from ..distributed import agree_across_ranks, warm_up_collectives
 from ..errors import CaptureError, InputError
-from .buckets import Buckets, apply_cuts, learn_cuts, resize
-from .compare import check_later_replay, check_padding, rtol_for
+from .buckets import Buckets, resize
+from .compare import check_later_replay, rtol_for
 from .cudadriver import cuda_driver
 from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
-from .inspect import NODE_COLUMNS, node_table
-from .nest import same_value, tree_map
+from .inspect import captured_node_table
+from .nest import same_value
 from .piecewise import BreakPlan, PiecewiseGraph
+from .ranks import CaptureRanks
 from .signature import ArgSpec, Binder, Call, check_inputs
 from .stats import RunnerStats
 
@@ -73,55 +103,30 @@ class GraphRunner:
             change later (module attributes, CPU scalars, Python branches). Each costs one eager call.
         rtol: tolerated relative error ``max|replay-eager| / max|eager|``; default 1e-3 for fp32,
             1e-2 when an fp16/bf16 tensor is involved.
-        clone_outputs: return clones of the static outputs (safe). With ``False`` the runner returns
-            the static output tensors themselves: no copy, but the **next replay overwrites them** in
-            place, so read or clone them before calling the runner again.
+        clone_outputs: return clones of the static outputs (safe). ``False`` returns the static output tensors
+            themselves: no copy, but the **next replay overwrites them**, so read or clone them before the next call.
         strict: a changed dtype or rank of a tensor argument raises (default) instead of capturing
             another graph.
         pool: a memory-pool handle (``torch.cuda.graph_pool_handle()``) to share with other runners;
-            default: one new pool shared by this runner's graphs. After a capture fails, later captures go
-            to a new pool: torch 2.11 leaves the failed one refusing captures (:mod:`~cgutils.capture.ending`).
-        buckets: ``{dim: sizes}``: pad every tensor argument with more than ``dim`` dimensions along
-            ``dim`` up to the smallest size in ``sizes`` that holds it, so a few graphs serve every
-            length. Outputs are cut back to the caller's length along the dims that follow it: the
-            first call that pads a dim of a graph's inputs also runs ``fn`` eagerly once, at the
-            caller's shapes, to see which output dims those are, and with ``validate`` to check that
-            padding left that call's result alone (one sample: ``validate_replays`` checks more calls;
-            ``fn`` must also run at unpadded lengths; the call repeats after a failed check, or while
-            two padded dims share a length and bucket). A size above the largest bucket runs eagerly
-            (counted in ``stats.fallbacks``, with one warning). Padding must not change the real
-            positions' results: for attention pass an attention mask, padded with 0 (the default).
+            default: one new pool shared by this runner's graphs (step 3 in this module's docstring).
+        buckets: ``{dim: sizes}``: pad tensor arguments along ``dim`` up to the smallest size that holds
+            them, and cut outputs back ("Buckets" in this module's docstring).
         pad_value: value written into padding: one number, or ``{argument name: number}`` (names as
             in error messages, e.g. ``input_ids``, ``attention_mask``); default 0.
-        compile: run ``fn`` through ``torch.compile`` (Inductor, ``mode="default"``: fused kernels, no
-            graphs of its own) and capture that; ``True`` or a dict of ``torch.compile`` keyword
-            arguments. Compilation happens during the first warm-up.
+        compile: capture ``torch.compile(fn)`` (Inductor, ``mode="default"``: fused kernels, no graphs of its own);
+            ``True`` or a dict of ``torch.compile`` keyword arguments. Compilation happens in the first warm-up.
         inspect: keep each captured graph (``torch.cuda.CUDAGraph(keep_graph=True)``) and note which module
             and :class:`cgutils.nvtx_range` added each node, for :meth:`node_table` (needs cuda-python:
             ``pip install cuda-bindings``). Costs host memory for the kept graph, nothing at replay.
-        breaks: capture in pieces around modules that cannot be captured, which then run eagerly between
-            the pieces (:mod:`~cgutils.capture.piecewise`): ``"auto"`` (found while capturing: the innermost
-            module running where a capture failed on a sync becomes a break, and capture starts again),
-            or a list of qualified module names, module objects or module classes. A break module's outputs must keep their shape from call to call.
-            :meth:`pieces` lists pieces and breaks, :meth:`segment_times` what each costs.
+        breaks: modules run eagerly between graph pieces: ``"auto"``, or a list of qualified module names,
+            module objects or module classes ("Breaks" in this module's docstring).
         distributed: this runner is one rank of a torch.distributed group whose ranks capture together
-            (collectives inside the graph): ``True`` for the default group, or a process group. Before each
-            capture every rank compares its graph signature with the others'
-            (:func:`cgutils.distributed.agree_across_ranks`: a rank with other shapes is named in a
-            ``CaptureError`` on every rank, instead of all of them hanging in the graph's collectives), and
-            before the first one a small all-reduce sets the communicator up. Every rank must call the runner.
-            Ranks compare only when they capture: a rank that replays an existing graph while another captures
-            a new one is not checked (the capturing rank then waits), so give all ranks the same shapes.
+            (collectives inside the graph): ``True`` for the default group, or a process group ("Ranks" in
+            this module's docstring).
         backend: the CUDA calls (capture, pool, sync): :class:`~cgutils.capture.CudaBackend`; the tests
             pass a CPU simulation.
 
-    Shapes and dtypes: each distinct combination of (padded) input shapes and, with ``strict=False``,
-    dtypes gets its own graph, captured on first sight; so does each CUDA autocast state
-    (``torch.autocast("cuda", dtype=...)`` on or off), since captured kernels keep the dtypes autocast
-    chose at capture. All graphs share one memory pool.
-
-    Raises (from the constructor): InputError for a bad option; DependencyError for ``inspect=True``
-    without cuda-python.
+    Raises (from the constructor): InputError for a bad option; DependencyError for ``inspect=True`` without cuda-python.
 
     Raises (from ``__call__``):
         InputError: CPU tensors, a changed argument structure, dtype, rank, device or non-tensor value.
@@ -145,19 +150,12 @@ class GraphRunner:
             raise InputError(f"rtol must be a number >= 0 (a relative error), got {rtol!r}")
         self._buckets = Buckets(buckets, pad_value)
         self.buckets, self.pad_value = self._buckets.sizes, pad_value
-        if breaks is not None and compile is not False:
-            raise InputError("breaks= and compile= cannot be combined: piecewise capture splits at module calls, "
-                             "which torch.compile traces through; compile the pieces' modules yourself instead")
+        self._call = _compiled(fn, compile, breaks)
         self._breaks = BreakPlan(fn, breaks) if breaks is not None else None
-        if distributed is not False and distributed is not True and not isinstance(distributed, getattr(dist, "ProcessGroup", ())):
-            raise InputError(f"distributed must be False, True (the default group) or a torch.distributed "
-                             f"ProcessGroup, got {type(distributed).__name__}")
-        self._group, self._collectives_ready = (None if distributed is True else distributed), False
-        self._distributed = distributed is not False
-        self.inspect = bool(inspect)
-        if self.inspect:
+        self._ranks = CaptureRanks(distributed)
+        if inspect:
             cuda_driver()  # DependencyError now, naming the package, rather than inside the first capture
-        self.fn, self._call = fn, _compiled(fn, compile)
+        self.fn, self.inspect = fn, bool(inspect)
         self.validate, self.rtol, self.clone_outputs, self.strict = validate, rtol, clone_outputs, strict
         self._pool, self._backend, self._binder = pool, backend, Binder(fn)
         self._spec: list[ArgSpec] | None = None
@@ -223,22 +221,17 @@ class GraphRunner:
             out, entry.first_output = self._output(entry, call, targets, entry.first_output), None
             entry.after_replay(named, self.clone_outputs, replayed=False)
             return out
-        # validate_replays: the first K replays (a function with state: counted from its second call)
-        stateful = entry.changes.stateful
-        checking = entry.info.replays < self.validate_replays if stateful else 0 < entry.info.replays <= self.validate_replays
-        before = entry.undo(named) if checking and stateful else None
+        check = _ReplayCheck(entry, named, self.validate_replays)
         entry.graph.replay()
         entry.info.replays += 1
         self._replays += 1
         out = self._output(entry, call, targets, entry.static_output)
         entry.after_replay(named, self.clone_outputs)
-        if checking:
-            try:
-                check_later_replay(out, _eager_from(lambda: self._eager(call), entry, named, before), rtol_for(out, self.rtol),
-                                   f"replay {self._replays} of {self!r}")
-            except CaptureError:
-                del self._graphs[key]  # else a retry would replay the same stale graph unchecked
-                raise
+        try:
+            check(out, lambda: self._eager(call), rtol_for(out, self.rtol), f"replay {self._replays} of {self!r}")
+        except CaptureError:
+            del self._graphs[key]  # else a retry would replay the same stale graph unchecked
+            raise
         return out
 
     def _eager(self, call: Call, entry: GraphEntry | None = None) -> Any:
@@ -252,46 +245,22 @@ class GraphRunner:
                 undo.restore()
 
     def _output(self, entry: GraphEntry, call: Call, targets: list, static: Any) -> Any:
-        """The static outputs, cut back along the padded dims and cloned with ``clone_outputs``.
-
-        The dims to cut are learned per graph by :func:`~cgutils.capture.buckets.learn_cuts` from the
-        first call that pads each input dim, with one eager call at the caller's shapes; with
-        ``validate`` the same eager call checks that padding left the real positions alone.
-        """
-        padded = self._buckets.padded(call.named, targets)
-        if not padded:
-            return tree_map(torch.clone, static) if self.clone_outputs else static
-        if padded.keys() <= entry.cuts.keys():
-            return apply_cuts(static, entry.cuts, padded, self.clone_outputs)
-        expected = self._eager(call, entry)
-        learned, ambiguous = learn_cuts(static, expected, padded)
-        out = apply_cuts(static, {**entry.cuts, **learned}, padded, self.clone_outputs)
-        if self.validate:
-            check_padding(out, expected, rtol_for(static, self.rtol, {t.dtype for _, t in call.named}))
-        # Stored only once checked (a call after a failed check must fail the same way), and only for
-        # dims this call told apart: two padded dims with the same (bucket, length) are cut correctly
-        # now, but which one an output dim follows is learned at a later call.
-        entry.cuts = {**{k: v for k, v in learned.items() if k not in ambiguous}, **entry.cuts}
-        return out
+        """The static outputs, cut back along the padded dims (:meth:`GraphEntry.output`) and cloned."""
+        rtol = (lambda: rtol_for(static, self.rtol, {t.dtype for _, t in call.named})) if self.validate else None
+        return entry.output(static, self._buckets.padded(call.named, targets), self.clone_outputs,
+                            lambda: self._eager(call, entry), rtol)
 
     def _fallback(self, call: Call) -> Any:
         self._fallbacks += 1
         if self._fallbacks == 1:
             sizes = {n: tuple(t.shape) for n, t in call.named}
-            warn_caller(f"{self!r}: input shapes {sizes} exceed the largest bucket {self.buckets}; running "
-                          f"eagerly (no graph). Add a larger bucket if this size is common; "
-                          f"stats.fallbacks counts these calls.")
+            warn_caller(f"{self!r}: input shapes {sizes} exceed the largest bucket {self.buckets}; running eagerly (no "
+                        f"graph). Add a larger bucket if this size is common; stats.fallbacks counts these calls.")
         return self._eager(call)
 
     def capture_buckets(self, *args: Any, **kwargs: Any) -> RunnerStats:
-        """Capture a graph for every bucket now, largest first, from one example call.
-
-        Largest first, so that the shared memory pool grows once, to the largest graph's needs, and
-        the smaller graphs reuse its blocks. The example is padded (or cut) to each bucket size, so its
-        values only serve warm-up and validation. When the example's own size is below a bucket, it is
-        then replayed once, padded, next to an eager call at its own shape: for that bucket's graph,
-        that learns which output dims to cut back (see ``buckets``) and, with ``validate``, checks the
-        padding. The other graphs do this on their first padded call.
+        """Capture a graph for every bucket now, largest first, from one example call ("Buckets" in this
+        module's docstring).
 
         Returns:
             :attr:`stats` after the captures.
@@ -300,13 +269,8 @@ class GraphRunner:
             InputError: no ``buckets`` were given, or no tensor in the example; as for ``__call__``.
             CaptureError: as for ``__call__``; ``cause="padding"`` when padding changes the result.
         """
-        if not self._buckets:
-            raise InputError("capture_buckets needs GraphRunner(..., buckets={dim: sizes})")
         call = self._binder.bind(args, kwargs)
-        if not call.named:
-            raise InputError("capture_buckets needs an example call, e.g. runner.capture_buckets(input_ids=ids, "
-                             "attention_mask=mask): it is padded to each bucket to capture its graph")
-        self._buckets.check_lengths(call.named)
+        self._buckets.check_example(call.named)
         for sizes in self._buckets.combos():
             example = call.map_tensors(lambda t, sizes=sizes: resize(t, sizes))
             self(*example.args, **example.kwargs)
@@ -323,76 +287,44 @@ class GraphRunner:
     def _entry(self, graph: int) -> GraphEntry:
         entries = list(self._graphs.values())
         if not entries:
-            raise InputError(f"{self!r} has captured no graph yet: call it once first (capture needs a CUDA "
-                             f"device{'' if self._backend.available() else ', which this machine lacks'})")
-        return entries[check_index("graph", graph, len(entries),
-                                   f"the graphs of {self!r} in capture order; stats.graphs names their signatures")]
+            lacks = "" if self._backend.available() else ", which this machine lacks"
+            raise InputError(f"{self!r} has captured no graph yet: call it once first (capture needs a CUDA device{lacks})")
+        why = f"the graphs of {self!r} in capture order; stats.graphs names their signatures"
+        return entries[check_index("graph", graph, len(entries), why)]
 
     def node_table(self, graph: int = -1):
-        """The nodes of one captured graph (default: the latest), each with the module that added it.
-
-        Returns:
-            :func:`cgutils.capture.inspect.node_table`'s DataFrame; with ``breaks``, the pieces' nodes one
-            after another, numbered on from one piece to the next, with a ``piece`` column (piece number;
-            join with a trace one piece at a time, :func:`~cgutils.capture.inspect.node_times`).
-
-        Raises:
-            InputError: the runner was made without ``inspect=True``, or ``graph`` is out of range.
-            DependencyError: cuda-python is not installed.
-        """
+        """The nodes of one graph (default: the latest), each with the module that added it
+        (:func:`~cgutils.capture.inspect.captured_node_table`). InputError: made without ``inspect=True``, or
+        ``graph`` out of range; DependencyError: no cuda-python."""
         if not self.inspect:
             raise InputError(f"{self!r} was made without inspect=True, so its graphs were not kept; make it with "
                              f"GraphRunner(fn, inspect=True) to read their nodes")
         entry = self._entry(graph)
-        if not isinstance(entry.graph, PiecewiseGraph):
-            return node_table(entry.graph, entry.attribution)
-        parts, offset = [], 0
-        for i, g in enumerate(entry.graph.pieces):
-            if g is None:
-                continue
-            part = node_table(g, entry.attribution)
-            # one index space across the pieces, so that to_dot and filters see distinct nodes
-            parts.append(part.assign(index=part["index"] + offset, piece=i,
-                                     depends_on=part.depends_on.map(lambda d, o=offset: [x + o for x in d])))
-            offset += len(part)
-        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*NODE_COLUMNS, "piece"])
+        return captured_node_table(entry.graph, entry.attribution)
 
     def pieces(self, graph: int = -1):
-        """Graph pieces and eager breaks of one captured graph, in replay order
-        (:meth:`~cgutils.capture.piecewise.PiecewiseGraph.table`); one ``piece 0`` row without ``breaks``.
-
-        Raises:
-            InputError: nothing captured yet, or ``graph`` out of range.
-        """
+        """Pieces and eager breaks of one graph in replay order (:meth:`PiecewiseGraph.table
+        <cgutils.capture.piecewise.PiecewiseGraph.table>`; one piece without ``breaks``). InputError: nothing
+        captured yet, or ``graph`` out of range."""
         return _pieces(self._entry(graph)).table()
 
     def segment_times(self, graph: int = -1, iters: int = 20):
-        """Wall time of each piece and each eager break of one graph, µs, from ``iters`` replays of the
-        current static inputs (:meth:`~cgutils.capture.piecewise.PiecewiseGraph.segment_times`).
-
-        Raises:
-            InputError: nothing captured yet, ``graph`` out of range, or ``iters`` < 1.
-        """
-        iters = check_int("iters", iters, minimum=1, why="replays to time")
+        """Wall time of each piece and break of one graph, µs, over ``iters`` replays of the current static inputs
+        (:meth:`PiecewiseGraph.segment_times <cgutils.capture.piecewise.PiecewiseGraph.segment_times>`).
+        InputError: nothing captured yet, ``graph`` out of range, or ``iters`` < 1."""
         entry = self._entry(graph)
         with self._lock:
             return _pieces(entry).segment_times(iters)
 
     def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> GraphEntry:
-        if self._distributed:
-            agree_across_ranks(_signature(call.named, targets, autocast), what=f"the {self!r} capture",
-                               group=self._group)
-            if not self._collectives_ready:
-                device = next((t.device for _, t in call.named if isinstance(t, torch.Tensor)), None)
-                warm_up_collectives(device, group=self._group)
-                self._collectives_ready = True
+        signature = _signature(call.named, targets, autocast)
+        self._ranks.before_capture(signature, f"the {self!r} capture", next((t.device for _, t in call.named), None))
         if self._pool is None:
             self._pool = self._backend.new_pool()
         try:
             entry = capture_entry(self._call, self.fn, call, targets, buckets=self._buckets, backend=self._backend,
                                   pool=self._pool, warmup=self.warmup, validate=self.validate, rtol=self.rtol,
-                                  what=repr(self), signature=_signature(call.named, targets, autocast),
-                                  inspect=self.inspect, breaks=self._breaks)
+                                  what=repr(self), signature=signature, inspect=self.inspect, breaks=self._breaks)
         except CaptureError as exc:
             if exc.original is not None:
                 # a failed capture leaves its pool refusing later captures (capture.ending): start a new one
@@ -408,17 +340,30 @@ def _pieces(entry: GraphEntry) -> PiecewiseGraph:
     return entry.graph if isinstance(entry.graph, PiecewiseGraph) else PiecewiseGraph(pieces=[entry.graph])
 
 
-def _eager_from(eager: Callable[[], Any], entry: GraphEntry, named: list, before: Any) -> Any:
-    """An eager call to check a replay against: for a function with state, from the state the replay
-    started from (``before``, an undo snapshot), with the replay's state put back afterwards."""
-    if before is None:
-        return eager()
-    after = entry.undo(named)
-    before.restore()
-    try:
-        return eager()
-    finally:
-        after.restore()
+class _ReplayCheck:
+    """``validate_replays``: whether this replay of ``entry`` is one of the first K checked against eager (for a
+    function with state, counted from its second call), and the check itself, from the state the replay
+    started from (an undo snapshot taken before it), with the replay's state put back afterwards."""
+
+    def __init__(self, entry: GraphEntry, named: list, validate_replays: int):
+        stateful, n = entry.changes.stateful, entry.info.replays
+        self.entry, self.named = entry, named
+        self.checking = n < validate_replays if stateful else 0 < n <= validate_replays
+        self.before = entry.undo(named) if self.checking and stateful else None
+
+    def __call__(self, out: Any, eager: Callable[[], Any], rtol: float, what: str) -> None:
+        if not self.checking:
+            return
+        if self.before is None:
+            check_later_replay(out, eager(), rtol, what)
+            return
+        after = self.entry.undo(self.named)
+        self.before.restore()
+        try:
+            expected = eager()
+        finally:
+            after.restore()
+        check_later_replay(out, expected, rtol, what)
 
 
 def _warn_graph_count(runner: GraphRunner, mib: float) -> None:
@@ -438,15 +383,18 @@ def _signature(named: list, targets: list, autocast: tuple) -> str:
     return text + (f" (autocast {str(autocast[1]).replace('torch.', '')})" if autocast[0] else "")
 
 
-def _compiled(fn: Callable[..., Any], compile: bool | dict) -> Callable[..., Any]:
+def _compiled(fn: Callable[..., Any], compile: bool | dict, breaks: Any = None) -> Callable[..., Any]:
     """``fn`` itself, or ``torch.compile(fn, **options)`` for ``compile=True`` / a dict of options.
 
     Raises:
         InputError: ``compile`` is neither a bool nor a dict; options that make torch.compile capture
-            CUDA graphs of its own (inside ours); options torch.compile rejects.
+            CUDA graphs of its own (inside ours); options torch.compile rejects; ``compile`` with ``breaks``.
     """
     if compile is False:
         return fn
+    if breaks is not None:
+        raise InputError("breaks= and compile= cannot be combined: piecewise capture splits at module calls, "
+                         "which torch.compile traces through; compile the pieces' modules yourself instead")
     if not isinstance(compile, (bool, dict)):
         raise InputError(f"compile must be True, False or a dict of torch.compile arguments, got {compile!r}")
     options = compile if isinstance(compile, dict) else {}

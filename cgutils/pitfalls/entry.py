@@ -1,19 +1,16 @@
-"""How a pitfall case is run and observed: the catalogue's entry type and the steps its entries share.
+"""A catalogue entry and what runs one: the :class:`Pitfall` type, :func:`run_entry`, the catalogue's input,
+the observed row, and the raw captures whose failures the steps record.
 
-An entry (:class:`Pitfall`) pairs a reproducer with a ``diagnose`` step, which runs it through cgutils
-and returns the observed row, and a ``check_fix`` step, which runs the fix and says whether it works.
-The reproducers and fixes themselves, and the catalogue of entries, are in :mod:`cgutils.pitfalls` (and,
-for the entries of real use, :mod:`cgutils.pitfalls_real_use`, whose steps are in
-:mod:`cgutils.pitfall_cases_real_use`): the lines reported for them are lines of those files. Every step
-leaves the caller's current stream as it found it and the default CUDA generators usable, also after a
-failed capture (:func:`kept_stream`, :func:`raw_failure`), so that no entry changes the outcome of the next.
+An entry pairs a reproducer (:mod:`.reproducers`) with a ``diagnose`` step, which runs it through cgutils and
+returns the observed row, and a ``check_fix`` step, which runs the fix and says whether it works
+(:mod:`.steps`, :mod:`.outside`). Everything here leaves the caller's current stream as it found it and the
+default CUDA generators usable, also after a failed capture (:func:`kept_stream`, :func:`raw_failure`,
+:func:`raw_capture`), so that no entry changes the outcome of the next.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,12 +18,13 @@ from typing import Any
 
 import torch
 
-from .capture import GraphRunner, max_rel_error, reset_rng_after_failed_capture, validate_replay
-from .checks import first_line
-from .diagnose import explain
-from .errors import CaptureError, CgutilsError, InputError
+from ..capture import max_rel_error, reset_rng_after_failed_capture
+from ..checks import first_line
+from ..diagnose import explain
 
 MARK = "# <- pitfall"
+
+
 KINDS = ("loud", "silent", "cost", "documented")
 
 
@@ -120,6 +118,9 @@ def observed_row(exc: BaseException | None = None, **extra: Any) -> dict:
     return row
 
 
+# --- captures outside cgutils: what a failure leaves, put right afterwards -----------------------------
+
+
 @contextmanager
 def kept_stream() -> Iterator[None]:
     """Put the caller's current CUDA stream back when the block exits, raised or not.
@@ -141,82 +142,6 @@ def raw_failure(exc: BaseException) -> dict:
     reset_rng_after_failed_capture()  # else every later random op fails ("Offset increment ...")
     why = explain(exc)
     return observed_row(exc, cause=why.key if why else "", explanation=str(why or ""))
-
-
-# --- diagnose steps: run the reproducer, return the observed row ----------------------------------------
-
-
-def through_runner(p: Pitfall, x: torch.Tensor) -> dict:
-    """``GraphRunner(bad)(x)``: what it raises (syncs: the op and the user's line), else "no error"."""
-    try:
-        GraphRunner(p.bad)(x)
-    except CgutilsError as exc:
-        return observed_row(exc)
-    return observed_row(None, message="no error")
-
-
-def through_validate_replay(p: Pitfall, x: torch.Tensor) -> dict:
-    """A manual graph (``bad(x)`` returns the graphed callable) through validate_replay on three inputs.
-    A capture that raises is recorded raw; the caller's stream and RNG are put back after it."""
-    try:
-        with kept_stream():
-            validate_replay(p.bad(x), lambda t: t * 2, [(example(s),) for s in (1, 2, 3)])
-    except CgutilsError as exc:
-        return observed_row(exc)
-    except Exception as exc:  # capture itself refused it: record the raw error and its explanation
-        return raw_failure(exc)
-    return observed_row(None, message="no error")
-
-
-def cpu_input_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """:func:`through_validate_replay`, plus what GraphRunner says when handed the CPU tensor itself."""
-    row = through_validate_replay(p, x)
-    try:
-        GraphRunner(lambda t: t * 2)(x.cpu())
-    except InputError as exc:
-        row["runner_error"] = first_line(exc)[:300]
-        row["runner_exception"] = type(exc).__name__
-    return row
-
-
-def baked_value_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """Capture the module ``bad()`` with checked replays, change its ``scale`` to 3, call it again."""
-    model = p.bad()
-    runner = GraphRunner(model, validate_replays=2)
-    runner(x)
-    if isinstance(model.scale, torch.Tensor):
-        model.scale.fill_(3.0)
-    else:
-        model.scale = 3.0
-    try:
-        runner(example(1))
-    except CgutilsError as exc:
-        return observed_row(exc)
-    return observed_row(None, message="no error")
-
-
-def training_mode_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """GraphRunner of the module ``bad()`` left in training mode: the warning (``warned``) and the outcome."""
-    model = p.bad()  # nn.Module starts in training mode
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        runner = GraphRunner(model)
-    warned = any("training mode" in str(w.message) for w in caught)
-    try:
-        runner(x)
-    except CgutilsError as exc:
-        return observed_row(exc, warned=warned)
-    return observed_row(None, message="no error", warned=warned)
-
-
-def new_shapes_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """GraphRunner of ``bad`` on four sequence lengths: graphs captured and their memory in bytes."""
-    runner = GraphRunner(p.bad)
-    for n in (64, 128, 192, 256):
-        runner(torch.randn(1, n, 256, device="cuda"))
-    st = runner.stats
-    return observed_row(None, message=f"{st.captures} graphs for 4 shapes, {st.memory_bytes / 2**20:.1f} MiB in all",
-                        captures=st.captures, memory_bytes=st.memory_bytes)
 
 
 def manual_capture(fn: Callable[[], Any], *, on_default_stream: bool = False) -> dict:
@@ -245,62 +170,43 @@ def manual_capture(fn: Callable[[], Any], *, on_default_stream: bool = False) ->
     return observed_row(None, message=f"no error; replay vs eager max relative error {err:.3g}", max_rel_error=err)
 
 
-def cold_thread_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """:func:`manual_capture` of ``bad(x)`` in a new thread, as a fresh process would first run it."""
-    fn = p.bad(x)
-    result: dict = {}
-    # A new thread gets its own cuBLAS handle in PyTorch's per-thread pool, so its first matmul is
-    # the cold start a fresh process would see.
-    t = threading.Thread(target=lambda: result.update(manual_capture(fn)))
-    t.start()
-    t.join()
-    return result
-
-
-def cudnn_benchmark_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """:func:`manual_capture` of ``bad(x)`` with ``torch.backends.cudnn.benchmark`` on (restored after)."""
-    old = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
+def rng_works() -> bool:
+    """Whether a random op on the GPU runs (a failed capture can leave the default generator unusable)."""
     try:
-        return manual_capture(p.bad(x))
-    finally:
-        torch.backends.cudnn.benchmark = old
-
-
-def default_stream_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """:func:`manual_capture` of ``bad(x)`` with ``capture_begin()`` on the current (default) stream."""
-    return manual_capture(p.bad(x), on_default_stream=True)
-
-
-# --- fix checks: run ``good``, return whether the fix works ----------------------------------------------
-
-
-def graphed_fix_matches_eager(p: Pitfall, x: torch.Tensor) -> bool:
-    """``good`` through GraphRunner, on an input it was not captured with, matches ``good`` run eagerly."""
-    try:
-        return max_rel_error(GraphRunner(p.good)(example(1)), p.good(example(1))) <= 1e-5
-    except CaptureError:
-        return False
-
-
-def replay_fix_validates(p: Pitfall, x: torch.Tensor) -> bool:
-    """The graphed callable ``good(x)`` passes validate_replay against y = 2x on three inputs."""
-    try:
-        validate_replay(p.good(x), lambda t: t * 2, [(example(s),) for s in (1, 2, 3)])
-    except CaptureError:
+        torch.rand(4, device="cuda")
+        torch.cuda.synchronize()
+    except RuntimeError:
         return False
     return True
 
 
-def module_fix_follows_changes(p: Pitfall, x: torch.Tensor) -> bool:
-    """The module ``good()`` through GraphRunner with checked replays: its ``scale`` changed after capture
-    to 3, the replays still match eager."""
+def raw_capture(fn: Callable[[], Any], **graph_kwargs: Any) -> dict:
+    """Capture ``fn`` with ``torch.cuda.graph(g, **graph_kwargs)`` (no warm-up of its own) and record what a
+    failure leaves, then put it right (the capture ended, the caller's stream and RNG back).
+
+    Returns:
+        ``raw_exception`` (class name, "" if none), ``raw_message``, ``raw_cause`` (:func:`cgutils.explain`'s
+        key), ``raw_stream_restored`` (the current stream is the caller's again after ``torch.cuda.graph``
+        exits) and, after a failure, ``raw_rng_ok`` (a random op works before the RNG is reset).
+    """
+    before = torch.cuda.current_stream()
+    g = torch.cuda.CUDAGraph()
+    ctx = torch.cuda.graph(g, **graph_kwargs)
     try:
-        model = p.good().cuda()
-        runner = GraphRunner(model, validate_replays=2)
-        runner(x)
-        model.scale.fill_(3.0)
-        runner(example(1))
-    except CaptureError:
-        return False
-    return True
+        with ctx:
+            fn()
+    except Exception as exc:
+        restored = torch.cuda.current_stream() == before
+        with torch.cuda.stream(ctx.capture_stream):  # end it if the error came before capture_end
+            if torch.cuda.is_current_stream_capturing():
+                try:
+                    g.capture_end()
+                except RuntimeError:
+                    pass
+        torch.cuda.set_stream(before)
+        rng_ok = rng_works()
+        row = raw_failure(exc)  # resets the RNG
+        return {"raw_exception": row["exception"], "raw_message": row["message"], "raw_cause": row["cause"],
+                "raw_stream_restored": restored, "raw_rng_ok": rng_ok}
+    return {"raw_exception": "", "raw_message": "no error", "raw_cause": "",
+            "raw_stream_restored": torch.cuda.current_stream() == before}

@@ -1,12 +1,15 @@
-"""Tensor-parallel greedy GPT-2 decoding: the static-KV-cache step of :mod:`cgutils.generation`, split
+"""Tensor-parallel greedy GPT-2 decoding: the static-KV-cache step of :mod:`cgutils.generation.static_kv`, split
 across the ranks of a torch.distributed group (Megatron-LM's layout: Shoeybi et al. 2019, section 3).
 
-Each rank keeps its share of the attention heads (their query/key/value columns, their rows of the output
-projection and their slice of the KV cache) and of the MLP's hidden features; embeddings, layer norms and the
-LM head are replicated. Two all-reduces per layer (after the attention output projection and after the MLP)
-sum the partial results, so every rank holds the same hidden state and produces the same token. The step
-keeps fixed shapes and addresses, as the one-GPU step does, so one CUDA graph per rank can hold it, all-reduces
-included (NCCL documentation, "Using NCCL with CUDA Graphs").
+:class:`ColumnParallelLinear` and :class:`RowParallelLinear` split an ``nn.Linear`` across the ranks: a
+column-parallel layer keeps a slice of the output features (no communication), the row-parallel layer after it
+a slice of the input features, and one all-reduce sums the partial outputs. The decode step keeps each rank's
+share of the attention heads (their query/key/value columns, their rows of the output projection and their
+slice of the KV cache) and of the MLP's hidden features; embeddings, layer norms and the LM head are
+replicated. Two all-reduces per layer (after the attention output projection and after the MLP) sum the
+partial results, so every rank holds the same hidden state and produces the same token. The step keeps fixed
+shapes and addresses, as the one-GPU step does, so one CUDA graph per rank can hold it, all-reduces included
+(NCCL documentation, "Using NCCL with CUDA Graphs").
 """
 
 from __future__ import annotations
@@ -19,9 +22,92 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .distributed import agree_across_ranks, rank_and_world
-from .errors import InputError
-from .generation import StaticKVState, check_prompt
+from ..capture.ranks import agree_across_ranks, rank_and_world
+from ..checks import check_int
+from ..errors import InputError
+from .request import check_prompt
+from .static_kv import StaticKVState
+
+# --- tensor-parallel linear layers (Megatron-LM's column/row split) -----------------------------------
+
+
+def _shard(n: int, rank: int, world: int, what: str) -> slice:
+    world = check_int("world", world, minimum=1, why="the number of ranks")
+    rank = check_int("rank", rank, minimum=0, why="this process's rank")
+    if rank >= world:
+        raise InputError(f"rank {rank} is not one of the {world} ranks (0..{world - 1}); use from_linear(linear), "
+                         f"which reads both from the process group")
+    if n % world:
+        raise InputError(f"{what} ({n}) is not divisible by the number of ranks ({world}); choose a world size "
+                         f"that divides it")
+    size = n // world
+    return slice(rank * size, (rank + 1) * size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's slice of an ``nn.Linear``'s output features: ``(…, in) -> (…, out / world)``, no
+    communication. Follow it with a :class:`RowParallelLinear` (or gather the outputs).
+
+    Attributes:
+        weight: ``(out / world, in)``; bias: ``(out / world,)`` or ``None``.
+    """
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise InputError(f"expected an nn.Linear, got {type(linear).__name__}")
+        rows = _shard(linear.out_features, rank, world, "out_features")
+        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> ColumnParallelLinear:
+        """This process's shard of ``linear`` (rank and world size from ``group``)."""
+        return cls(linear, *rank_and_world(group))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, out_features_here={self.weight.shape[0]}, bias={self.bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's slice of an ``nn.Linear``'s input features, followed by an all-reduce of the partial
+    outputs: ``(…, in / world) -> (…, out)``, equal on every rank. The bias is added once, after the sum.
+
+    Attributes:
+        weight: ``(out, in / world)``; bias: ``(out,)`` or ``None``; group: the process group reduced over.
+    """
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int, group: Any = None):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise InputError(f"expected an nn.Linear, got {type(linear).__name__}")
+        cols = _shard(linear.in_features, rank, world, "in_features")
+        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.group = group
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> RowParallelLinear:
+        """This process's shard of ``linear`` (rank and world size from ``group``)."""
+        return cls(linear, *rank_and_world(group), group=group)
+
+    def extra_repr(self) -> str:
+        return f"in_features_here={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias={self.bias is not None}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.weight.shape[1]:
+            raise InputError(f"RowParallelLinear expects this rank's {self.weight.shape[1]} input features (the "
+                             f"output of a ColumnParallelLinear), got {x.shape[-1]}: pass the column-parallel "
+                             f"layer's output, not the full activation")
+        out = nn.functional.linear(x, self.weight)
+        dist.all_reduce(out, group=self.group)  # in place; captured as a collective kernel under NCCL
+        return out + self.bias if self.bias is not None else out
+
+
+# --- the static-KV GPT-2 step split across ranks -----------------------------------------------------
 
 
 class TensorParallelKVState(StaticKVState):

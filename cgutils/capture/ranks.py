@@ -1,5 +1,4 @@
-"""Graphs across processes (torch.distributed): the checks that turn a capture hang into an error, and
-tensor-parallel linear layers whose all-reduce a graph can hold.
+"""Graphs across processes (torch.distributed): the checks that turn a capture hang into an error.
 
 A collective (all-reduce, all-gather) waits until every rank of its group has called it. If one rank
 captures different work than another (a different input shape, a different graph key, a rank that skips
@@ -13,11 +12,8 @@ things prevent it here:
 - :func:`warm_up_collectives` runs one small all-reduce before capture: a communicator sets itself up
   lazily at its first collective, which must not happen inside a capture.
 
-:class:`ColumnParallelLinear` and :class:`RowParallelLinear` split an ``nn.Linear`` across the ranks
-(Megatron-LM's layout: Shoeybi et al. 2019, "Megatron-LM", section 3): a column-parallel layer keeps a
-slice of the output features (no communication), the row-parallel layer after it a slice of the input
-features, and one all-reduce sums the partial outputs. Launch the processes with ``torchrun``; the CPU
-tests run them on the gloo backend.
+The tensor-parallel layers and decode step that need these live in :mod:`cgutils.generation.tensor_parallel`.
+Launch the processes with ``torchrun``; the CPU tests run them on the gloo backend.
 """
 
 from __future__ import annotations
@@ -26,10 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .checks import check_int, require_cuda
-from .errors import CaptureError, InputError
+from ..checks import require_cuda
+from ..errors import CaptureError, InputError
 
 
 def rank_and_world(group: Any = None) -> tuple[int, int]:
@@ -117,77 +112,33 @@ def warm_up_collectives(device: torch.device | str | None = None, *, group: Any 
                            cause="rank_divergence")
 
 
-def _shard(n: int, rank: int, world: int, what: str) -> slice:
-    world = check_int("world", world, minimum=1, why="the number of ranks")
-    rank = check_int("rank", rank, minimum=0, why="this process's rank")
-    if rank >= world:
-        raise InputError(f"rank {rank} is not one of the {world} ranks (0..{world - 1}); use from_linear(linear), "
-                         f"which reads both from the process group")
-    if n % world:
-        raise InputError(f"{what} ({n}) is not divisible by the number of ranks ({world}); choose a world size "
-                         f"that divides it")
-    size = n // world
-    return slice(rank * size, (rank + 1) * size)
+class CaptureRanks:
+    """GraphRunner's ``distributed=`` option: before each capture, agree with the other ranks on what is captured.
 
+    Args:
+        distributed: ``False`` (one process: nothing to agree), ``True`` (the default group) or a
+            ``torch.distributed`` process group.
 
-class ColumnParallelLinear(nn.Module):
-    """This rank's slice of an ``nn.Linear``'s output features: ``(…, in) -> (…, out / world)``, no
-    communication. Follow it with a :class:`RowParallelLinear` (or gather the outputs).
-
-    Attributes:
-        weight: ``(out / world, in)``; bias: ``(out / world,)`` or ``None``.
+    Raises:
+        InputError: ``distributed`` is none of these.
     """
 
-    def __init__(self, linear: nn.Linear, rank: int, world: int):
-        super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise InputError(f"expected an nn.Linear, got {type(linear).__name__}")
-        rows = _shard(linear.out_features, rank, world, "out_features")
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+    def __init__(self, distributed: Any):
+        if distributed is not False and distributed is not True and not isinstance(distributed, getattr(dist, "ProcessGroup", ())):
+            raise InputError(f"distributed must be False, True (the default group) or a torch.distributed "
+                             f"ProcessGroup, got {type(distributed).__name__}")
+        self.enabled, self.group = distributed is not False, None if distributed is True else distributed
+        self._collectives_ready = False
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> ColumnParallelLinear:
-        """This process's shard of ``linear`` (rank and world size from ``group``)."""
-        return cls(linear, *rank_and_world(group))
+    def before_capture(self, signature: str, what: str, device: Any) -> None:
+        """:func:`agree_across_ranks` on ``signature``; before the first capture, :func:`warm_up_collectives`.
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, out_features_here={self.weight.shape[0]}, bias={self.bias is not None}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """This rank's slice of an ``nn.Linear``'s input features, followed by an all-reduce of the partial
-    outputs: ``(…, in / world) -> (…, out)``, equal on every rank. The bias is added once, after the sum.
-
-    Attributes:
-        weight: ``(out, in / world)``; bias: ``(out,)`` or ``None``; group: the process group reduced over.
-    """
-
-    def __init__(self, linear: nn.Linear, rank: int, world: int, group: Any = None):
-        super().__init__()
-        if not isinstance(linear, nn.Linear):
-            raise InputError(f"expected an nn.Linear, got {type(linear).__name__}")
-        cols = _shard(linear.in_features, rank, world, "in_features")
-        self.weight = nn.Parameter(linear.weight.detach()[:, cols].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        self.group = group
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: Any = None) -> RowParallelLinear:
-        """This process's shard of ``linear`` (rank and world size from ``group``)."""
-        return cls(linear, *rank_and_world(group), group=group)
-
-    def extra_repr(self) -> str:
-        return f"in_features_here={self.weight.shape[1]}, out_features={self.weight.shape[0]}, bias={self.bias is not None}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.weight.shape[1]:
-            raise InputError(f"RowParallelLinear expects this rank's {self.weight.shape[1]} input features (the "
-                             f"output of a ColumnParallelLinear), got {x.shape[-1]}: pass the column-parallel "
-                             f"layer's output, not the full activation")
-        out = nn.functional.linear(x, self.weight)
-        dist.all_reduce(out, group=self.group)  # in place; captured as a collective kernel under NCCL
-        return out + self.bias if self.bias is not None else out
+        Raises:
+            CaptureError: the ranks differ (on every rank), or a rank does not answer.
+        """
+        if not self.enabled:
+            return
+        agree_across_ranks(signature, what=what, group=self.group)
+        if not self._collectives_ready:
+            warm_up_collectives(device, group=self.group)
+            self._collectives_ready = True

@@ -21,20 +21,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture.control import while_node
-from .capture.graph import CUDA, CudaBackend
-from .checks import check_int, check_sizes
-from .errors import InputError
-from .generation import (
+from ..capture.control import while_node
+from ..capture.graph import CUDA, CudaBackend
+from ..checks import check_int, check_sizes
+from ..errors import InputError
+from .request import (
     BATCH_BUCKETS,
     LENGTH_BUCKETS,
-    StaticKVState,
     capped_length_buckets,
     check_gpt2,
     check_prompt,
     pad_rows,
     pick_sizes,
 )
+from .static_kv import StaticKVState
 
 LOOPS = ("device", "host", "eager")
 
