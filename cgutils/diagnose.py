@@ -10,6 +10,7 @@ API reference, "Graph Management" and "Stream Management" (``cudaStreamBeginCapt
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import os
@@ -126,15 +127,19 @@ def explain(exc: BaseException | str) -> Explanation | None:
 
 _SYNC_WARNING = "synchronizing CUDA operation"  # text of PyTorch's sync debug-mode warning
 # Not the user's code by default: torch, the standard library, and cgutils' own machinery (subpackages too).
-_SKIP_DIRS = tuple(str(p) for p in {Path(torch.__file__).resolve().parent,
-                                      Path(sysconfig.get_paths()["stdlib"]).resolve()}) + (
-    str(Path(__file__).resolve().parent) + os.sep,)
+# Frames never reported: torch itself, the standard library and cgutils. Directory prefixes end with a
+# separator, so that torchvision/ is not taken for torch/; site- and dist-packages inside the standard
+# library's directory (conda, system Pythons) hold libraries, which are reported.
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent) + os.sep
+_STDLIB_DIR = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+_CGUTILS_DIR = str(Path(__file__).resolve().parent) + os.sep
+_LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 # The user's files for calls made without user_files= (GraphRunner's own diagnosis of a failed capture):
-# set by user_code(); None means every frame outside _SKIP_DIRS.
+# set by user_code(); None means every frame that _skipped() does not drop.
 _USER_FILES: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("cgutils_user_files",
                                                                                     default=None)
 
-SYNC_COLUMNS = ["op", "file", "line", "code", "function"]
+SYNC_COLUMNS = ["op", "file", "line", "code", "function", "caller"]
 UserFiles = Iterable[str | os.PathLike]
 
 
@@ -189,6 +194,9 @@ class SyncPoint:
             :func:`find_sync_points`): the user's line that made the call.
         code: the source text of that line (empty when unavailable).
         function: the function that line is in.
+        caller: when ``file`` is a library's (an installed package: torchvision, transformers), the
+            ``"file:line"`` of your own code that led there (the innermost frame outside installed
+            packages); empty when ``file`` is your own.
     """
 
     op: str
@@ -196,9 +204,16 @@ class SyncPoint:
     line: int
     code: str
     function: str
+    caller: str = ""
 
     def __str__(self) -> str:
         return f"{self.op} at {Path(self.file).name}:{self.line} ({self.code or self.function})"
+
+
+def _skipped(name: str) -> bool:
+    if name.startswith((_TORCH_DIR, _CGUTILS_DIR)):
+        return True
+    return name.startswith(_STDLIB_DIR) and not any(d in name[len(_STDLIB_DIR) - 1:] for d in _LIBRARY_DIRS)
 
 
 def _user_frame(stack: list[traceback.FrameSummary],
@@ -208,9 +223,29 @@ def _user_frame(stack: list[traceback.FrameSummary],
         if user_files is not None:
             if name in user_files:
                 return fr
-        elif not (fr.filename.startswith("<frozen") or name.startswith(_SKIP_DIRS)):
+        elif not (fr.filename.startswith("<frozen") or _skipped(name)):
             return fr
     return None
+
+
+def _caller(stack: list[traceback.FrameSummary], user_files: frozenset[str] | None,
+            found: traceback.FrameSummary) -> str:
+    """For a sync found in a library's file, ``"file:line"`` of the innermost frame outside installed packages
+    (the user's line that led there); empty when ``found`` is already that, or with ``user_files``."""
+    if user_files is not None or not any(d in _file_key(found.filename) for d in _LIBRARY_DIRS):
+        return ""
+    for fr in reversed(stack):
+        name = _file_key(fr.filename)
+        if not (fr.filename.startswith("<frozen") or _skipped(name) or any(d in name for d in _LIBRARY_DIRS)):
+            return f"{fr.filename}:{fr.lineno}"
+    return ""
+
+
+def _sync_point(op: str, stack: list[traceback.FrameSummary], user_files: frozenset[str] | None) -> SyncPoint | None:
+    fr = _user_frame(stack, user_files)
+    if fr is None:
+        return None
+    return SyncPoint(op, fr.filename, fr.lineno or 0, (fr.line or "").strip(), fr.name, _caller(stack, user_files, fr))
 
 
 def failure_site(exc: BaseException, user_files: UserFiles | None = None) -> SyncPoint | None:
@@ -304,7 +339,11 @@ class SyncRecorder:
         # joins of a side stream that never waited on the joining stream first: inside capture, the side
         # stream's work is not part of the graph, and CUDA refuses the join (cudaErrorStreamCaptureIsolation)
         self.unforked_joins: list[SyncPoint] = []
-        self._waited: set[tuple[int, int]] = set()
+        # forks (side.wait_stream(capturing stream)) never joined back before the call ended: inside capture,
+        # CUDA ends it with cudaErrorStreamCaptureUnjoined
+        self.unjoined_forks: list[SyncPoint] = []
+        self._forks: dict[int, SyncPoint] = {}  # forked stream -> its fork, until joined back
+        self._captured: set[int] = set()  # the starting stream and the streams forked from it
         self._thread = threading.get_ident()
         self._user_files = _user_file_set(user_files)
         self._tracker = _OpTracker()
@@ -319,16 +358,15 @@ class SyncRecorder:
         if threading.get_ident() != self._thread:
             fr = _user_frame(stack, self._user_files) or stack[-1]
             self.other_threads.append((threading.current_thread().name, SyncPoint(
-                op or "unknown op", fr.filename, fr.lineno or 0, (fr.line or "").strip(), fr.name)))
+                op or "unknown op", fr.filename, fr.lineno or 0, (fr.line or "").strip(), fr.name,
+                _caller(stack, self._user_files, fr))))
             return
         if call is not None and call == self._last_call:
             return
         self._last_call = call
-        fr = _user_frame(stack, self._user_files)
-        if fr is None:
-            return
-        self.points.append(SyncPoint(op or "unknown op", fr.filename, fr.lineno or 0,
-                                     (fr.line or "").strip(), fr.name))
+        point = _sync_point(op or "unknown op", stack, self._user_files)
+        if point is not None:
+            self.points.append(point)
 
     def __enter__(self) -> SyncRecorder:
         self._warnings = warnings.catch_warnings()
@@ -354,21 +392,40 @@ class SyncRecorder:
         self._orig_wait = torch.cuda.Stream.wait_stream
 
         def wait_stream(stream_self, other):
-            waiter, waited = stream_self.cuda_stream, other.cuda_stream
-            if waiter != waited and (waited, waiter) not in self._waited and threading.get_ident() == self._thread:
-                fr = _user_frame(traceback.extract_stack()[:-1], self._user_files)
-                if fr is not None:
-                    self.unforked_joins.append(SyncPoint("Stream.wait_stream", fr.filename, fr.lineno or 0,
-                                                         (fr.line or "").strip(), fr.name))
-            self._waited.add((waiter, waited))
+            if threading.get_ident() == self._thread:
+                self._wait(stream_self.cuda_stream, other.cuda_stream)
             return self._orig_wait(stream_self, other)
 
         torch.cuda.Stream.wait_stream = wait_stream
         if torch.cuda.is_available():
             self._old_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
+            with contextlib.suppress(RuntimeError, AssertionError):  # the tests' stand-in for a CUDA machine
+                self._captured.add(torch.cuda.current_stream().cuda_stream)  # the stream a capture would run on
         self._tracker.__enter__()
         return self
+
+    def _wait(self, waiter: int, waited: int) -> None:
+        """One ``waiter.wait_stream(waited)`` as a capture would see it: waiting on a stream of the capture
+        forks (or joins) the waiter into it; a stream of the capture waiting on one outside it is a join
+        CUDA refuses (an unforked side stream)."""
+        if waiter == waited:
+            return
+        if waited in self._captured:
+            if waiter not in self._captured:
+                self._captured.add(waiter)
+                point = self._point()
+                if point is not None:
+                    self._forks[waiter] = point
+            else:
+                self._forks.pop(waited, None)  # joined back (a join of a stream that waited on us first)
+        elif waiter in self._captured:
+            point = self._point()
+            if point is not None:
+                self.unforked_joins.append(point)
+
+    def _point(self) -> SyncPoint | None:
+        return _sync_point("Stream.wait_stream", traceback.extract_stack(), self._user_files)  # cgutils frames skipped
 
     def __exit__(self, *exc) -> None:
         self._tracker.__exit__(*exc)
@@ -377,16 +434,19 @@ class SyncRecorder:
         torch.cuda.synchronize = self._orig_sync
         torch.cuda.Stream.wait_stream = self._orig_wait
         self._warnings.__exit__(*exc)
+        self.unjoined_forks = list(self._forks.values())
 
     def to_frame(self):
         """The sync points as a ``pandas.DataFrame`` with columns ``SYNC_COLUMNS``; ``.attrs["other_threads"]``
         lists ``(thread name, SyncPoint)`` for syncs that other threads made meanwhile, and
-        ``.attrs["unforked_joins"]`` the ``wait_stream`` joins of side streams that were never forked."""
+        ``.attrs["unforked_joins"]`` the ``wait_stream`` joins of side streams that were never forked,
+        ``.attrs["unjoined_forks"]`` the forks of side streams that were never joined back."""
         import pandas as pd
 
         df = pd.DataFrame([dataclasses.asdict(p) for p in self.points], columns=SYNC_COLUMNS)
         df.attrs["other_threads"] = list(self.other_threads)
         df.attrs["unforked_joins"] = list(self.unforked_joins)
+        df.attrs["unjoined_forks"] = list(self.unjoined_forks)
         return df
 
 

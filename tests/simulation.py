@@ -8,8 +8,15 @@ eager fallback and validation. With this backend those Python paths run end to e
 - "replay" runs the function again on the same static input buffers and writes the result into
   those same output tensors, in place, as a replayed graph rewrites its static outputs.
 
-What it cannot show (kernels frozen at capture, streams, memory pools) stays in test_gpu.py.
+With ``SimulatedBackend(frozen=module)``, a replay also reads the parameter and buffer *objects* that
+``module`` held at capture, as a graph reads the addresses it was captured with: replacing them afterwards
+(``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``) goes unseen, as on a GPU.
+
+What it cannot show (kernels frozen at capture, storages swapped by ``.half()``, streams, memory pools) stays
+in the GPU tests.
 """
+
+import contextlib
 
 import torch
 
@@ -17,11 +24,24 @@ from cgutils.capture import tree_leaves
 
 
 class SimulatedGraph:
-    def __init__(self, fn, static_out):
+    def __init__(self, fn, static_out, frozen=None):
         self.fn, self.static_out = fn, static_out
+        self.frozen = [(d, k, v) for m in frozen.modules() for d in (m._parameters, m._buffers)
+                       for k, v in d.items()] if frozen is not None else []
+
+    @contextlib.contextmanager
+    def _captured_tensors(self):
+        now = [(d, k, d[k]) for d, k, _ in self.frozen]
+        for d, k, v in self.frozen:
+            d[k] = v
+        try:
+            yield
+        finally:
+            for d, k, v in now:
+                d[k] = v
 
     def replay(self):
-        with torch.no_grad():
+        with torch.no_grad(), self._captured_tensors():
             fresh = self.fn()
         # a real replay writes device memory whatever autograd flags the tensors carry; inference tensors
         # (captured under torch.inference_mode) only take in-place writes inside that mode
@@ -36,8 +56,9 @@ class SimulatedBackend:
 
     device_type = "cpu"
 
-    def __init__(self):
+    def __init__(self, frozen=None):
         self.graphs: list[SimulatedGraph] = []
+        self.frozen = frozen
 
     def available(self):
         return True
@@ -67,6 +88,6 @@ class SimulatedBackend:
             if on_last_warmup is not None:
                 on_last_warmup(out)
             static_out = fn()
-        self.graphs.append(SimulatedGraph(fn, static_out))
+        self.graphs.append(SimulatedGraph(fn, static_out, self.frozen))
         return self.graphs[-1], static_out
 

@@ -88,7 +88,7 @@ def test_sync_recorder_reports_the_users_line_and_the_op():
     with SyncRecorder() as rec:
         model(torch.ones(1))
     df = rec.to_frame()
-    assert list(df.columns) == ["op", "file", "line", "code", "function"]
+    assert list(df.columns) == ["op", "file", "line", "code", "function", "caller"]
     assert len(df) == 1 and df.op[0] == "Tensor.apply_"
     # the innermost user frame: _warn_sync here, which the torch call ran
     assert df.file[0] == __file__ and df.function[0] == "_warn_sync"
@@ -259,3 +259,75 @@ def _deep(n):
         new.__context__ = exc
         exc = new
     return exc
+
+
+def test_a_fork_never_joined_is_unjoined_not_unforked(monkeypatch):
+    """A correct fork (side.wait_stream(current)) that was never joined back failed capture with CUDA's "capturing
+    stream has unjoined work", and the CaptureError said cause="unforked_stream" and told the user to fork: the
+    rerun's join check read the fork as a join, and its evidence overrode CUDA's own error code."""
+    from cgutils.diagnose import SyncPoint
+
+    fork = SyncPoint("Stream.wait_stream", "model.py", 30, "side.wait_stream(torch.cuda.current_stream())", "forward")
+    err, _ = _failure_with(monkeypatch, "CUDA error: capturing stream has unjoined work",
+                           unforked_joins=[fork], unjoined_forks=[fork])
+    assert err.cause == "unjoined"
+    assert "model.py:30" in str(err) and "never joined back" in str(err) and "fork it" not in str(err)
+
+
+@pytest.mark.parametrize("text, key", [
+    ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream "
+     "(cudaErrorStreamCaptureImplicit)", "default_stream"),
+    ("CUDA error: cudaErrorStreamCaptureIsolation", "unforked_stream"),
+    ("CUDA error: capturing stream has unjoined work", "unjoined"),
+    ("CUDA error: out of memory", "allocation"),
+])
+def test_a_specific_cuda_error_names_its_cause_whatever_the_rerun_found(monkeypatch, text, key):
+    from cgutils.diagnose import SyncPoint
+
+    p = SyncPoint("Stream.wait_stream", "m.py", 3, "s.wait_stream(t)", "f")
+    err, _ = _failure_with(monkeypatch, text, unforked_joins=[p], other_threads=[("loader", p)])
+    assert err.cause == key
+
+
+def test_the_recorder_tells_forks_joins_and_unforked_joins_apart():
+    from cgutils.diagnose import SyncRecorder
+
+    rec = SyncRecorder()
+    rec._captured = {1}  # stream 1 is the one a capture would run on
+    rec._wait(2, 1)  # fork side stream 2
+    rec._wait(3, 1)  # fork 3
+    rec._wait(1, 2)  # join 2 back
+    rec._wait(1, 4)  # join 4, which never forked: refused inside capture
+    rec._wait(5, 6)  # two streams outside the capture: nothing to say
+    rec.unjoined_forks = list(rec._forks.values())
+    assert [p.line for p in rec.unforked_joins] == [_line_of("rec._wait(1, 4)")]
+    assert [p.line for p in rec.unjoined_forks] == [_line_of("rec._wait(3, 1)")]
+
+
+def _line_of(code):
+    import inspect
+
+    lines, start = inspect.getsourcelines(test_the_recorder_tells_forks_joins_and_unforked_joins_apart)
+    return start + next(i for i, line in enumerate(lines) if code in line)
+
+
+def test_a_sync_in_a_library_names_the_library_line_and_the_users_line_that_led_there():
+    """For torchvision's Faster R-CNN the 199 syncs all named the caller's line (`out = runner(...)`): the
+    torch directory was matched as a bare prefix, so torchvision/ counted as torch/ and was skipped."""
+    import traceback
+
+    from cgutils import diagnose as d
+
+    vision = d._TORCH_DIR[:-1] + "vision/ops/boxes.py"
+    assert not d._skipped(vision) and d._skipped(d._TORCH_DIR + "functional.py")
+    site = "/opt/env/lib/python3.12/site-packages/transformers/modeling_utils.py"
+    stack = [traceback.FrameSummary("/home/me/serve.py", 12, "main", line="out = runner(images)"),
+             traceback.FrameSummary(vision, 99, "nms", line="keep = torch.where(mask)"),
+             traceback.FrameSummary(d._TORCH_DIR + "functional.py", 5, "where", line="")]
+    p = d._sync_point("torch.where", stack, None)
+    assert (p.file, p.line, p.caller) == (vision, 99, "/home/me/serve.py:12")
+    own = d._sync_point("Tensor.item", stack[:1], None)
+    assert (own.file, own.caller) == ("/home/me/serve.py", "")
+    assert d._sync_point("x", [traceback.FrameSummary(site, 3, "f", line="")], None).caller == ""
+    # a conda or system Python keeps site-packages inside the standard library's directory: still a library
+    assert not d._skipped(d._STDLIB_DIR + "site-packages/torchvision/x.py") and d._skipped(d._STDLIB_DIR + "os.py")

@@ -586,3 +586,80 @@ def test_a_failed_capture_gives_its_pool_memory_back():
             cg.capture_graph(f, warmup=1)
         torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() - before < 2**30
+
+
+def test_a_fork_never_joined_is_diagnosed_as_unjoined():
+    """CUDA said "capturing stream has unjoined work" and the CaptureError said cause="unforked_stream" and told
+    the user to fork, which they had: the rerun read the fork as a join of an unforked stream."""
+    side = torch.cuda.Stream()
+    x = torch.ones(8, device="cuda")
+
+    def f(x):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 2
+        return y  # never joined back
+
+    stream = torch.cuda.current_stream()
+    with pytest.raises(cg.CaptureError) as err:
+        cg.GraphRunner(f)(x)
+    assert err.value.cause == "unjoined" and "never joined back" in str(err.value)
+    assert "side.wait_stream(torch.cuda.current_stream())" in str(err.value)  # the fork's line, named
+    assert torch.cuda.current_stream() == stream
+    assert cg.GraphRunner(lambda x: x * 3)(x).sum().item() == 24.0
+
+
+def test_syncs_inside_torchvision_name_its_lines_and_the_callers():
+    """For Faster R-CNN the syncs named only the caller's line (`out = runner(...)`): torchvision/ was taken for
+    torch/. Then breaks="auto" asserted inside the caching allocator and broke every later capture."""
+    tv = pytest.importorskip("torchvision")
+    m = tv.models.detection.fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None,
+                                                               box_score_thresh=0.0).eval().cuda()
+    images = [torch.rand(3, 320, 320, device="cuda")]
+    with torch.no_grad():
+        with pytest.raises(cg.CaptureError) as err:
+            cg.GraphRunner(m)(images)
+        syncs = err.value.sync_points
+        lib = syncs[syncs.file.str.contains("torchvision")]
+        assert len(lib) and lib.caller.str.contains("test_gpu.py").all()
+        assert "torchvision" in str(err.value) and ", from " in str(err.value)
+        with pytest.raises(cg.CaptureError) as auto:
+            cg.GraphRunner(m, breaks="auto")(images)
+        assert "INTERNAL ASSERT" not in str(auto.value)
+        x = torch.ones(4, device="cuda")
+        assert cg.GraphRunner(lambda x: x * 3)(x).sum().item() == 12.0
+
+
+def test_runner_graphs_survive_reduce_overhead_clearing_cublas_workspaces():
+    """Pure PyTorch fault (docs/pytorch-cublas-workspace-fault.md): a graph whose cuBLAS workspace lived in a
+    freed graph's pool failed its next replay with an illegal memory access once torch.compile(mode=
+    "reduce-overhead") cleared the workspaces. Run in a process of its own: the fault ends the CUDA context."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import gc, torch, cgutils as cg
+        from transformers import BertConfig, BertModel
+        torch.manual_seed(0)
+        def make():
+            return BertModel(BertConfig()).eval().cuda().half()
+        x = torch.randint(0, 1000, (1, 128), device="cuda")
+        with torch.no_grad():
+            a = cg.GraphRunner(make())
+            a(x)
+            del a
+            gc.collect()
+            m = make()
+            b = cg.GraphRunner(m)
+            ref = b(x).last_hidden_state
+            c = torch.compile(m.forward, mode="reduce-overhead")
+            for _ in range(3):
+                c(x)
+            out = b(x).last_hidden_state
+            torch.cuda.synchronize()
+            print("OK", cg.max_rel_error(out, ref))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
+    assert float(run.stdout.split("OK")[1]) < 1e-2

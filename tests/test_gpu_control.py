@@ -397,3 +397,24 @@ def test_random_draws_in_a_while_body_repeat_under_capture_so_they_are_refused(m
     assert torch.cuda.current_stream() == stream
     p = torch.ones(1, dtype=torch.bool, device="cuda")
     cg.if_node(p, lambda: x.add_(torch.randn_like(x)))  # an IF body runs once per replay: allowed
+
+
+_NESTINGS = ["while_while_if", "while_while_ifelse", "while_while_while", "while_if", "if_while",
+             "while_while_plain", "raise_midway"]
+
+
+@pytest.mark.parametrize("case", _NESTINGS)
+def test_every_nesting_equals_the_python_loop_in_a_process_of_its_own(case):
+    """A WHILE inside a WHILE with an IF around the emitting step (a transducer's greedy decoder) was reported to
+    kill the process with SIGSEGV inside cuStreamBeginCaptureToGraph. Each nesting up to three deep, and a body
+    that raises while it is captured, runs here in its own process, by a plain capture and by GraphRunner."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent / "gpu_cases" / "nesting.py"
+    run = subprocess.run([sys.executable, str(script), case, "both"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{case}: rc {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    assert run.stdout.count("EQUAL") == 2 and "DIFFERENT" not in run.stdout, run.stdout
+    if case == "raise_midway":
+        assert "raised" in run.stdout and "a body that fails" in run.stdout, run.stdout

@@ -205,3 +205,37 @@ def test_auto_breaks_with_an_ordinary_error_raise_it_and_leave_state_alone():
     torch.cuda.synchronize()
     assert torch.cuda.current_stream() == stream
     torch.randn(3, device="cuda")
+
+
+def test_a_break_called_first_leaves_the_pool_and_the_process_usable():
+    """The piece before a break that the root calls first captured nothing; its graph was dropped, and with it
+    the pool's last reference, so the next piece's capture_begin asserted (use_count > 0) and every later capture
+    or reduce-overhead compile in the process asserted too (use_count == 0): torchvision's Faster R-CNN with
+    breaks="auto" (its transform runs first)."""
+
+    class Syncs(nn.Module):
+        def forward(self, x):
+            return x * float(x.abs().sum().item() > 0)  # a host sync: a break
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.lin = Syncs(), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(self.first(x))
+
+    m = Model().cuda().eval()
+    x = torch.randn(4, 8, device="cuda")
+    with torch.no_grad():
+        runner = cg.GraphRunner(m, breaks="auto")
+        out = runner(x)
+        assert cg.max_rel_error(out, m(x)) < 1e-4
+        assert runner.pieces().name.tolist()[:2] == ["piece 0 (empty)", "first"]
+        assert cg.GraphRunner(lambda x: x * 3)(x).sum().item() == pytest.approx(3 * x.sum().item(), rel=1e-5)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = x + 1
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x + 1)

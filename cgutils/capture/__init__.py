@@ -12,6 +12,9 @@
 - :mod:`.bodysync`: what a conditional node's body may not do (host syncs), checked while it runs.
 - :mod:`.poolscope`: which memory pool the capture running in this thread records into.
 - :mod:`.cudadriver`: cuda-python's driver bindings, imported on first use.
+- :mod:`.ranks`: rank agreement before capture and communicator warm-up (``distributed=``).
+- :mod:`.weights`: the parameters and buffers a graph reads, replaced after capture or loaded in place.
+- :mod:`.views`: read-only views of a runner's graphs (node tables, pieces, time per piece).
 - :mod:`.runner`: :class:`GraphRunner`, which only coordinates.
 """
 

@@ -36,6 +36,9 @@ def end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cud
                 ended = True
             except RuntimeError:
                 pass  # an invalidated capture ends with an error; ended is what matters
+    # capture_end can also raise after it marked the capture ended (its instantiate failing): the graph then
+    # holds the pool's reference and drops it when destroyed, and a release here would be a second one
+    ended = ended or _holds_pool(graph)
     device = capture_stream.device.index
     try:
         torch._C._cuda_endAllocateToPool(device, tuple(pool))
@@ -46,3 +49,23 @@ def end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cud
             torch._C._cuda_releasePool(device, tuple(pool))
         except RuntimeError:
             pass
+
+
+def _holds_pool(graph: torch.cuda.CUDAGraph) -> bool:
+    """Whether ``graph``'s capture ended (``CUDAGraph::pool()`` raises until it has): it then releases its pool
+    reference itself when destroyed (``CUDAGraph::reset``, aten/src/ATen/cuda/CUDAGraph.cpp)."""
+    try:
+        graph.pool()
+    except RuntimeError:
+        return False
+    return True
+
+
+def end_failed_begin(device: int, pool: Any) -> None:
+    """After ``capture_begin`` raised: stop any routing of allocations to ``pool`` it had set up. Its reference to
+    the pool is not dropped: whether it took one is unknown, and a pool kept alive is only memory, while a
+    release too many corrupts the allocator's count (every later capture into the pool asserts)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device, tuple(pool))
+    except RuntimeError:
+        pass  # nothing was routed

@@ -85,6 +85,22 @@ def _warmup_stream() -> torch.cuda.Stream:
     return _WARMUP_STREAMS[dev]
 
 
+def fresh_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached workspaces, so that the next capture allocates its own, in its own memory pool.
+
+    cuBLAS keeps one workspace per (handle, stream), made on first use. One made during a capture comes from
+    that capture's pool and outlives the graph; a later capture on the same stream (``torch.cuda.graph``'s
+    capture stream is shared) reuses it and bakes its address in. When ``torch.compile(mode="reduce-overhead")``
+    then clears the workspaces (``clear_cublas_manager`` in torch/_inductor/cudagraph_trees.py) and the first
+    graph's pool is gone, that memory is returned to CUDA and the later graph's next replay fails with "an
+    illegal memory access" (BERT-base fp16, H200, torch 2.11: docs/pytorch-cublas-workspace-fault.md). Called
+    before and after every cgutils capture, as CUDA graph trees do around theirs: each graph's workspace then
+    lives in its own pool, for as long as the graph."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class _Ending:
     """``torch.cuda.graph`` that remembers whether its exit's ``capture_end`` succeeded (it runs even when the
     captured code raised; after a failure the pool's reference is then the caller's to drop)."""
@@ -101,74 +117,106 @@ class _Ending:
         return out
 
 
+# CUDA error codes that name their own cause: evidence from the eager rerun adds lines to them, never a cause
+_SPECIFIC = {"unjoined", "unforked_stream", "default_stream", "allocation", "rng"}
+
+
 def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> CaptureError:
     """Build the CaptureError for a failed capture: the original error, its explanation, and the syncs
-    found by running ``fn`` once more eagerly (which is safe now that capture has ended)."""
+    found by running ``fn`` once more eagerly (which is safe now that capture has ended).
+
+    The cause: a specific CUDA error (``unjoined``, ``unforked_stream``, ``default_stream``, ``allocation``,
+    ``rng``) names it, and the rerun adds the line behind it; a generic one (a refused call, an invalidated
+    capture, a text no rule knows) is refined by the rerun: a sync in this thread, another thread's sync, an
+    unforked side stream, or none of these (a sync outside PyTorch)."""
     why = explain(exc)
     syncs, note = None, ""
     try:
         syncs = find_sync_points(fn)
     except Exception as rerun:  # the eager rerun can fail for its own reasons; never hide the original
         note = f"\n(Could not rerun it eagerly to look for syncs: {type(rerun).__name__}: {rerun})"
-    site = failure_site(exc)
-    if syncs is not None and len(syncs):
-        def failed_here(r: Any) -> bool:
-            return site is not None and (r.file, r.line) == (site.file, site.line)
-
-        # one line per distinct (op, file, line), with how often it synced: a loop's test syncs once per
-        # iteration, and each of those lines was marked as the failing one
-        counts: dict[tuple, int] = {}
-        rows: dict[tuple, Any] = {}
-        for r in syncs.itertuples():
-            key = (r.op, r.file, r.line)
-            counts[key] = counts.get(key, 0) + 1
-            rows.setdefault(key, r)
-        distinct = list(rows.values())
-        where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}"
-                          + (f" (x{counts[(r.op, r.file, r.line)]})" if counts[(r.op, r.file, r.line)] > 1 else "")
-                          + ("   <- capture failed here" if failed_here(r) else "") for r in distinct[:5])
-        more = f"\n  ... and {len(distinct) - 5} more (see .sync_points)" if len(distinct) > 5 else ""
-        hit = any(failed_here(r) for r in syncs.itertuples())
-        others = ("\nThe unmarked syncs ran in the eager rerun; code may sync only when not capturing (transformers "
-                  "skips its attention-mask check while capturing), so fix the marked line first."
-                  if hit and len(distinct) > 1 else "")
-        note = f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}{others}"
-    cause = "sync" if syncs is not None and len(syncs) else (why.key if why else "")
-    others = syncs.attrs.get("other_threads", []) if syncs is not None else []
-    if syncs is not None and not len(syncs) and others:
-        name, p = others[0]
-        cause, note = "other_thread", (
-            f"\nYour function made no sync, but thread {name!r} synchronised the device meanwhile ({p.op} at "
-            f"{p.file}:{p.line}: {p.code}; {len(others)} syncs from other threads during an eager rerun). A "
-            f"device-wide sync from any thread breaks a capture in progress, whatever the capture mode: pause "
-            f"that thread while capturing, or have it wait on its own stream (stream.synchronize()).")
-    elif syncs is not None and not len(syncs) and syncs.attrs.get("unforked_joins"):
-        p = syncs.attrs["unforked_joins"][0]
-        cause, note = "unforked_stream", (
-            f"\nAn eager rerun found no sync, but a join of a side stream that never waited on the capture "
-            f"stream first, at {p.file}:{p.line}: {p.code}. Inside capture that side stream's work is not part "
-            f"of the graph, so CUDA refuses the join and invalidates the capture. Fork before using the side "
-            f"stream: side.wait_stream(torch.cuda.current_stream()), then launch on it, then join back.")
-    elif syncs is not None and not len(syncs):
-        if cause in ("sync", "invalidated"):
-            # CUDA refused a call during capture, yet nothing in PyTorch synchronised: the call came from
-            # code that PyTorch does not see (an extension or library calling the CUDA runtime itself).
-            cause, note = "external_sync", (
-                "\nAn eager rerun found no sync made through PyTorch in this thread (and no unforked side "
-                "stream), so the refused call most likely comes from outside PyTorch: a C++/CUDA extension or "
-                "library calling cudaStreamSynchronize, cudaDeviceSynchronize, a blocking cudaMemcpy or "
-                "cudaMalloc; or another thread synchronising the whole device through such a library. Find it "
-                "with `nsys profile -t cuda` around one eager call, then move that call out of the graphed "
-                "function or make it asynchronous.")
-        else:
-            note = "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
+    key = why.key if why else ""
+    if syncs is None:
+        cause = key
+    elif key in _SPECIFIC:
+        cause, note = key, _stream_evidence(key, syncs) + (_sync_note(syncs, failure_site(exc)) if len(syncs) else "")
+    else:
+        cause, note = _refined(key, syncs, failure_site(exc))
     return CaptureError(
         f"CUDA graph capture of {what} failed: {type(exc).__name__}: {first_line(exc)}\n"
         + (str(why) if why and cause not in ("external_sync", "other_thread") else "" if why else
            "No known pattern matched the error text.")
-        + note, original=exc, explanation=str(why or ""), sync_points=syncs,
-        # syncs found by running the code are firmer evidence than a match on the error text
-        cause=cause)
+        + note, original=exc, explanation=str(why or ""), sync_points=syncs, cause=cause)
+
+
+def _stream_evidence(key: str, syncs: Any) -> str:
+    """The line behind a stream error, from the eager rerun's forks and joins."""
+    if key == "unjoined" and syncs.attrs.get("unjoined_forks"):
+        p = syncs.attrs["unjoined_forks"][0]
+        return (f"\nThe side stream forked at {p.file}:{p.line}: {p.code} was never joined back: after its last "
+                f"launch add torch.cuda.current_stream().wait_stream(side).")
+    if key == "unforked_stream" and syncs.attrs.get("unforked_joins"):
+        p = syncs.attrs["unforked_joins"][0]
+        return (f"\nThe join at {p.file}:{p.line}: {p.code} waits on a side stream that never waited on the capture "
+                f"stream first: fork it with side.wait_stream(torch.cuda.current_stream()) before launching on it.")
+    return ""
+
+
+def _sync_note(syncs: Any, site: Any) -> str:
+    """The syncs the rerun found, one line per distinct (op, file, line), the failing one marked."""
+    def failed_here(r: Any) -> bool:
+        return site is not None and (r.file, r.line) == (site.file, site.line)
+
+    # a loop's test syncs once per iteration, and each of those lines was marked as the failing one
+    counts: dict[tuple, int] = {}
+    rows: dict[tuple, Any] = {}
+    for r in syncs.itertuples():
+        key = (r.op, r.file, r.line)
+        counts[key] = counts.get(key, 0) + 1
+        rows.setdefault(key, r)
+    distinct = list(rows.values())
+    where = "\n".join(f"  {r.op} at {r.file}:{r.line}: {r.code}"
+                      + (f" (x{counts[(r.op, r.file, r.line)]})" if counts[(r.op, r.file, r.line)] > 1 else "")
+                      + (f", from {r.caller}" if getattr(r, "caller", "") else "")
+                      + ("   <- capture failed here" if failed_here(r) else "") for r in distinct[:5])
+    more = f"\n  ... and {len(distinct) - 5} more (see .sync_points)" if len(distinct) > 5 else ""
+    hit = any(failed_here(r) for r in distinct)
+    others = ("\nThe unmarked syncs ran in the eager rerun; code may sync only when not capturing (transformers "
+              "skips its attention-mask check while capturing), so fix the marked line first."
+              if hit and len(distinct) > 1 else "")
+    return f"\nCPU-GPU syncs in your code (each one breaks capture):\n{where}{more}{others}"
+
+
+def _refined(key: str, syncs: Any, site: Any) -> tuple[str, str]:
+    """Cause and note for a generic capture error, from what the eager rerun saw."""
+    if len(syncs):
+        return "sync", _sync_note(syncs, site)
+    others = syncs.attrs.get("other_threads", [])
+    if others:
+        name, p = others[0]
+        return "other_thread", (
+            f"\nYour function made no sync, but thread {name!r} synchronised the device meanwhile ({p.op} at "
+            f"{p.file}:{p.line}: {p.code}; {len(others)} syncs from other threads during an eager rerun). A "
+            f"device-wide sync from any thread breaks a capture in progress, whatever the capture mode: pause "
+            f"that thread while capturing, or have it wait on its own stream (stream.synchronize()).")
+    if syncs.attrs.get("unforked_joins"):
+        p = syncs.attrs["unforked_joins"][0]
+        return "unforked_stream", (
+            f"\nAn eager rerun found no sync, but a join of a side stream that never waited on the capture "
+            f"stream first, at {p.file}:{p.line}: {p.code}. Inside capture that side stream's work is not part "
+            f"of the graph, so CUDA refuses the join and invalidates the capture. Fork before using the side "
+            f"stream: side.wait_stream(torch.cuda.current_stream()), then launch on it, then join back.")
+    if key in ("sync", "invalidated"):
+        # CUDA refused a call during capture, yet nothing in PyTorch synchronised: the call came from
+        # code that PyTorch does not see (an extension or library calling the CUDA runtime itself).
+        return "external_sync", (
+            "\nAn eager rerun found no sync made through PyTorch in this thread (and no unforked side "
+            "stream), so the refused call most likely comes from outside PyTorch: a C++/CUDA extension or "
+            "library calling cudaStreamSynchronize, cudaDeviceSynchronize, a blocking cudaMemcpy or "
+            "cudaMalloc; or another thread synchronising the whole device through such a library. Find it "
+            "with `nsys profile -t cuda` around one eager call, then move that call out of the graphed "
+            "function or make it asynchronous.")
+    return key, "\nAn eager rerun found no CPU-GPU sync, so the cause is not a sync."
 
 
 def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
@@ -235,6 +283,7 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         # recording into it can be ended (end_abandoned_capture)
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         watch = inspect if inspect is not None else contextlib.nullcontext()
+        fresh_cublas_workspaces()
         try:
             if breaks is not None:
                 graph, static_out = capture_pieces(
@@ -264,6 +313,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
             if ours is not None:
                 raise ours from None
             raise capture_failure(exc, fn, what) from exc
+        finally:
+            fresh_cublas_workspaces()  # what this capture made stays in its pool, reused by no later capture
     torch.cuda.synchronize()
     return graph, static_out
 

@@ -44,7 +44,7 @@ from ..checks import check_int
 from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
 from .control import inside_body
-from .ending import end_abandoned_capture
+from .ending import end_abandoned_capture, end_failed_begin
 from .inspect import NODE_COLUMNS, node_table
 from .nest import same_value, tree_leaves, tree_map
 from .poolscope import capture_pool
@@ -114,6 +114,7 @@ class PiecewiseGraph:
 
     pieces: list[Any]
     breaks: list[Break] = field(default_factory=list)
+    held: list[Any] = field(default_factory=list, repr=False)  # empty pieces' graphs: their pool references
     _runs: list[Any] | None = field(default=None, repr=False, compare=False)
 
     def _segments(self) -> list[Any]:
@@ -349,8 +350,13 @@ class PieceCapture:
             torch.cuda.current_stream().wait_stream(self.stream)
 
     def _begin(self) -> None:
-        self.current = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graph else torch.cuda.CUDAGraph()
-        self.current.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graph else torch.cuda.CUDAGraph()
+        try:
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        except BaseException:
+            end_failed_begin(self.stream.device.index, self.pool)  # not abandon(): no capture to end, no release
+            raise
+        self.current = graph
 
     def _end(self) -> None:
         graph = self.current
@@ -363,6 +369,10 @@ class PieceCapture:
             if _EMPTY not in str(w.message):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if empty:
+            # kept, not dropped: the graph holds a reference to the shared pool, and the pieces still to be
+            # captured join that pool; with no graph left in it, the next capture_begin asserts (use_count > 0,
+            # CUDACachingAllocator.cpp) and the allocator's count is wrong for the rest of the process
+            self.result.held.append(graph)
             self.result.pieces.append(None)
             return
         if self.keep_graph:
@@ -463,7 +473,10 @@ def _find_breaks(fn: Any, plan: BreakPlan, stream: torch.cuda.Stream, reset: Any
             site = failure_site(exc)
             where = f" at {site.file.rsplit('/', 1)[-1]}:{site.line}" if site is not None else ""
             if module is None or plan.why(module) is not None:
-                what = "the top-level function itself" if module is None else f"{plan.name(module)}, already a break"
+                method = _submodule_method(exc, plan) if module is None else None
+                what = (f"{method}, a method (not forward) of a submodule, called from the top-level function: no "
+                        f"break can wrap it" if method else "the top-level function itself" if module is None
+                        else f"{plan.name(module)}, already a break")
                 raise CaptureError(
                     f"capture failed on a call a graph cannot hold{where}, in {what}; piecewise capture splits "
                     f"only at submodule calls. Move that step into a submodule (its own nn.Module), or name the "
@@ -473,3 +486,17 @@ def _find_breaks(fn: Any, plan: BreakPlan, stream: torch.cuda.Stream, reset: Any
     raise CaptureError(f"breaks='auto' found more than {MAX_AUTO_BREAKS} modules to run eagerly; name them with "
                        f"breaks=[...] or call the model eagerly", cause="sync")
 
+
+
+def _submodule_method(exc: BaseException, plan: BreakPlan) -> str | None:
+    """``"transform.postprocess"`` when the failing call ran inside a method other than ``forward`` of one of
+    ``plan.root``'s submodules (torchvision's detectors call ``self.transform.postprocess`` from their own
+    forward): the innermost such frame of the traceback, or ``None``."""
+    names = {id(m): n for n, m in plan.root.named_modules() if n} if isinstance(plan.root, nn.Module) else {}
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names and tb.tb_frame.f_code.co_name not in ("forward", "_call_impl", "_wrapped_call_impl"):
+            found = f"{names[id(owner)]}.{tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return found

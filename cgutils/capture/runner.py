@@ -57,25 +57,27 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..checks import check_index, check_int, is_number, require_cuda, warn_caller
+from ..checks import check_int, is_number, require_cuda, warn_caller
 from ..errors import CaptureError, InputError
 from .buckets import Buckets, resize
 from .compare import check_later_replay, rtol_for
 from .cudadriver import cuda_driver
 from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
-from .inspect import captured_node_table
 from .nest import same_value
-from .piecewise import BreakPlan, PiecewiseGraph
+from .piecewise import BreakPlan
 from .ranks import CaptureRanks
 from .signature import ArgSpec, Binder, Call, check_inputs
 from .stats import RunnerStats
+from .views import GraphViews
+from .weights import WeightWatch, load_in_place, module_of
 
 _MAX_PATTERNS = 64  # accepted call patterns remembered for the fast path (a bounded memo, not a record)
 # CUDAGraph Trees warns past this many graphs for one function (torch._inductor.config.triton.
@@ -83,7 +85,7 @@ _MAX_PATTERNS = 64  # accepted call patterns remembered for the fast path (a bou
 GRAPH_COUNT_WARNING = 8
 
 
-class GraphRunner:
+class GraphRunner(GraphViews):
     """Capture ``fn`` into a CUDA graph per input signature and replay it on later calls.
 
     Example::
@@ -157,7 +159,8 @@ class GraphRunner:
             cuda_driver()  # DependencyError now, naming the package, rather than inside the first capture
         self.fn, self.inspect = fn, bool(inspect)
         self.validate, self.rtol, self.clone_outputs, self.strict = validate, rtol, clone_outputs, strict
-        self._pool, self._backend, self._binder = pool, backend, Binder(fn)
+        self._pool, self._own_pool, self._backend, self._binder = pool, pool is None, backend, Binder(fn)
+        self._weights = WeightWatch(module) if (module := module_of(fn)) is not None else None
         self._spec: list[ArgSpec] | None = None
         self._accepted: list[tuple] = []
         self._graphs: dict[tuple, GraphEntry] = {}
@@ -209,6 +212,8 @@ class GraphRunner:
         targets = [self._buckets.target_shape(t) for _, t in named]
         if any(tg is None for tg in targets):
             return self._fallback(call)
+        if self._graphs and self._weights is not None and (replaced := self._weights.replaced()):
+            return self._recapture(call, replaced)
         key = _graph_key(named, targets)
         entry = self._graphs.get(key)
         if entry is None:
@@ -233,6 +238,25 @@ class GraphRunner:
             del self._graphs[key]  # else a retry would replay the same stale graph unchecked
             raise
         return out
+
+    def _recapture(self, call: Call, replaced: list[str]) -> Any:
+        """Weights were replaced since capture: capture again for the new tensors, and say which and at what cost.
+        The old graphs are held until then: a capture joining their pool needs a live graph in it."""
+        old, self._graphs = self._graphs, {}
+        start = time.perf_counter()
+        out = self._run(call)
+        _warn_replaced(self, replaced, len(old), time.perf_counter() - start)
+        return out
+
+    def load_state_dict(self, state_dict: Any, *, strict: bool = True) -> int:
+        """Copy new weights into the tensors the graphs read (:func:`~cgutils.capture.weights.load_in_place`):
+        the fast way to update a captured model, no capture again. Returns the tensors copied.
+        InputError: ``fn`` is not a module (or its bound method), or the weights do not match."""
+        if self._weights is None:
+            raise InputError(f"{self!r} wraps a function, not a module, so it cannot tell which tensors to load into; "
+                             f"call your_module.load_state_dict(sd) (without assign=True) instead")
+        with self._lock:
+            return load_in_place(self._weights.module, state_dict, strict=strict)
 
     def _eager(self, call: Call, entry: GraphEntry | None = None) -> Any:
         """``fn`` on the caller's arguments; for a function with state, undone afterwards (a check, not a call)."""
@@ -284,42 +308,12 @@ class GraphRunner:
             self._output(entry, call, targets, entry.static_output)
         return self.stats
 
-    def _entry(self, graph: int) -> GraphEntry:
-        entries = list(self._graphs.values())
-        if not entries:
-            lacks = "" if self._backend.available() else ", which this machine lacks"
-            raise InputError(f"{self!r} has captured no graph yet: call it once first (capture needs a CUDA device{lacks})")
-        why = f"the graphs of {self!r} in capture order; stats.graphs names their signatures"
-        return entries[check_index("graph", graph, len(entries), why)]
-
-    def node_table(self, graph: int = -1):
-        """The nodes of one graph (default: the latest), each with the module that added it
-        (:func:`~cgutils.capture.inspect.captured_node_table`). InputError: made without ``inspect=True``, or
-        ``graph`` out of range; DependencyError: no cuda-python."""
-        if not self.inspect:
-            raise InputError(f"{self!r} was made without inspect=True, so its graphs were not kept; make it with "
-                             f"GraphRunner(fn, inspect=True) to read their nodes")
-        entry = self._entry(graph)
-        return captured_node_table(entry.graph, entry.attribution)
-
-    def pieces(self, graph: int = -1):
-        """Pieces and eager breaks of one graph in replay order (:meth:`PiecewiseGraph.table
-        <cgutils.capture.piecewise.PiecewiseGraph.table>`; one piece without ``breaks``). InputError: nothing
-        captured yet, or ``graph`` out of range."""
-        return _pieces(self._entry(graph)).table()
-
-    def segment_times(self, graph: int = -1, iters: int = 20):
-        """Wall time of each piece and break of one graph, µs, over ``iters`` replays of the current static inputs
-        (:meth:`PiecewiseGraph.segment_times <cgutils.capture.piecewise.PiecewiseGraph.segment_times>`).
-        InputError: nothing captured yet, ``graph`` out of range, or ``iters`` < 1."""
-        entry = self._entry(graph)
-        with self._lock:
-            return _pieces(entry).segment_times(iters)
-
     def _capture(self, call: Call, targets: list[tuple[int, ...]], autocast: tuple) -> GraphEntry:
         signature = _signature(call.named, targets, autocast)
         self._ranks.before_capture(signature, f"the {self!r} capture", next((t.device for _, t in call.named), None))
-        if self._pool is None:
+        if self._pool is None or (not self._graphs and self._own_pool):
+            # no graph of ours left in the old pool (replaced weights, a failed check): a capture joining a pool
+            # whose graphs are all gone asserts in the caching allocator, so start a new one
             self._pool = self._backend.new_pool()
         try:
             entry = capture_entry(self._call, self.fn, call, targets, buckets=self._buckets, backend=self._backend,
@@ -330,14 +324,11 @@ class GraphRunner:
                 # a failed capture leaves its pool refusing later captures (capture.ending): start a new one
                 self._pool = None
             raise
+        if self._weights is not None:
+            self._weights.arm()
         if len(self._graphs) == GRAPH_COUNT_WARNING:  # this capture makes one more: warn once
             _warn_graph_count(self, (self.stats.memory_bytes + entry.info.memory_bytes) / 2**20)
         return entry
-
-
-def _pieces(entry: GraphEntry) -> PiecewiseGraph:
-    """An entry's graph as pieces: itself with ``breaks``, else one piece."""
-    return entry.graph if isinstance(entry.graph, PiecewiseGraph) else PiecewiseGraph(pieces=[entry.graph])
 
 
 class _ReplayCheck:
@@ -364,6 +355,14 @@ class _ReplayCheck:
         finally:
             after.restore()
         check_later_replay(out, expected, rtol, what)
+
+
+def _warn_replaced(runner: GraphRunner, names: list[str], dropped: int, seconds: float) -> None:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    warn_caller(f"{runner!r}: {len(names)} parameters/buffers were replaced after capture ({shown}): new tensors, "
+                f"storage or dtype, which the {dropped} captured graph(s) never read. Captured again for the new "
+                f"tensors ({seconds * 1e3:.1f} ms, this call). To update weights without that, copy them into the "
+                f"captured tensors: runner.load_state_dict(sd), or model.load_state_dict(sd) without assign=True.")
 
 
 def _warn_graph_count(runner: GraphRunner, mib: float) -> None:
