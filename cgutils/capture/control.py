@@ -306,12 +306,14 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                         if kind == "while":
                             _launch("cg_loop_next", b, handle, cond, *loop)
                     except BaseException:
+                        # ended, not emptied: destroying a body's nodes (a nested conditional node among them)
+                        # while an enclosing body was still capturing crashed the process in that body's
+                        # cuStreamEndCapture (SIGSEGV, H200, a body raising two levels down). The enclosing
+                        # capture is invalidated below, so the half-made graph never instantiates anyway.
                         driver.cuStreamEndCapture(b)
-                        _empty(driver, body_graph)
                         raise
                     err, *_ = driver.cuStreamEndCapture(b)
                     if err != driver.CUresult.CUDA_SUCCESS:
-                        _empty(driver, body_graph)
                         raise CgutilsError(f"capturing the body of a {kind.upper()} node failed ({err.name}): the "
                                            f"body did something a graph cannot hold (a host sync, a CPU copy) or "
                                            f"used a stream other than the current one")
@@ -352,15 +354,6 @@ def conditional_driver() -> Any:
         raise DependencyError(f"conditional nodes need cuda-bindings 13 or newer (installed: "
                               f"{getattr(bindings, '__version__', 'unknown')}): pip install 'cuda-bindings>=13'")
     return driver
-
-
-def _empty(driver: Any, graph: Any) -> None:
-    """Remove what a failed body capture left in its body graph."""
-    err, _nodes, count = driver.cuGraphGetNodes(graph, 0)
-    if err == driver.CUresult.CUDA_SUCCESS and count:
-        err, nodes, count = driver.cuGraphGetNodes(graph, count)
-        for node in nodes[:count]:
-            driver.cuGraphDestroyNode(node)
 
 
 def while_node(cond: torch.Tensor, body: Callable[[], Any], *, max_iters: int, pool: Any = None) -> torch.Tensor:
