@@ -399,8 +399,10 @@ def test_random_draws_in_a_while_body_repeat_under_capture_so_they_are_refused(m
     cg.if_node(p, lambda: x.add_(torch.randn_like(x)))  # an IF body runs once per replay: allowed
 
 
-_NESTINGS = ["while_while_if", "while_while_ifelse", "while_while_while", "while_if", "if_while",
-             "while_while_plain", "raise_midway"]
+_NESTINGS = ["while_while_if", "while_while_ifelse", "while_while_while", "while_if", "if_while", "while_while_plain",
+             pytest.param("raise_midway", marks=pytest.mark.xfail(strict=True, reason=(
+                 "open (issue 23): a body that raises two levels down (an IF inside a WHILE inside a WHILE) still "
+                 "ends in SIGSEGV while the captures are unwound, on the H200 at fcede9d")))]
 
 
 @pytest.mark.parametrize("case", _NESTINGS)
