@@ -75,3 +75,16 @@ def test_recorded_sync_lines_still_point_at_the_reproducers():
     df = _recorded_pitfalls()
     for r in df[df.cause == "sync"].itertuples():
         assert int(r.line) == PITFALLS[r.key].marked_line, r.key
+
+
+def test_the_numbers_to_remember_agree_with_the_recordings():
+    """notebooks/README.md's table is computed from results/ (scripts/numbers_to_remember.py), never typed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("numbers", env.REPO_ROOT / "scripts" / "numbers_to_remember.py")
+    numbers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numbers)
+    m = re.search(r"<!-- numbers:begin -->\n(.*?)\n<!-- numbers:end -->", numbers.README.read_text(), re.S)
+    assert m, "notebooks/README.md lacks the numbers markers"
+    assert m.group(1) == numbers.table(env.REPO_ROOT / "results" / "nvidia-h200"), (
+        "regenerate with: python scripts/numbers_to_remember.py --write")

@@ -1,0 +1,86 @@
+"""The "numbers to remember" table of notebooks/README.md, computed from results/<gpu>/ with each number's
+provenance (the GPU, the torch version and the commit that recorded it).
+
+    python scripts/numbers_to_remember.py [--gpu nvidia-h200] [--write]
+
+Prints the markdown table; ``--write`` puts it between the ``numbers:begin``/``numbers:end`` markers of
+notebooks/README.md. tests/test_readme_and_recordings.py checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from cgutils.overhead import fit_per_launch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "notebooks" / "README.md"
+MARKERS = ("<!-- numbers:begin -->", "<!-- numbers:end -->")
+
+
+def _source(results: Path, name: str) -> tuple[pd.DataFrame, str]:
+    meta = json.loads((results / f"{name}.meta.json").read_text())
+    where = f"`{name}.csv`: {meta['gpu']}, torch {meta['torch']}, {meta['date'][:10]}, {meta['git_commit'][:7]}"
+    return pd.read_csv(results / f"{name}.csv"), where
+
+
+def rows(results: Path) -> list[tuple[str, str, str, str]]:
+    """(quantity, value, notebook, source) for each number."""
+    out = []
+    chain, src = _source(results, "overhead_chain")
+    fit = fit_per_launch(chain)
+    out += [("host + GPU cost of one eager launch of a tiny kernel (slope over chains of 1-4096)",
+             f"{fit['eager_slope_us']:.1f} µs", "01", src),
+            ("cost of one more node in a replayed graph (same chains, captured)", f"{fit['replay_slope_us']:.2f} µs", "01", src),
+            ("fixed cost of one replay (the fit's intercept)", f"{fit['replay_intercept_us']:.1f} µs", "01", src)]
+    bound, src = _source(results, "launch_bound")
+    for model in ("BERT-base seq128", "GPT-2 decode step"):
+        e = bound[(bound.model == model) & (bound["mode"] == "eager")].iloc[0]
+        r = bound[(bound.model == model) & (bound["mode"] == "replay")].iloc[0]
+        out.append((f"{model}, batch 1: share of the wall time the GPU is busy, eager vs replay",
+                    f"{1 - e.idle_fraction:.0%} vs {1 - r.idle_fraction:.0%}", "01", src))
+    speed, src = _source(results, "speedup")
+    b = speed[(speed.workload == "bert-base-seq128") & (speed.dtype == "fp16")].set_index("variant")
+    out += [("BERT-base seq128 fp16, batch 1: GraphRunner replay (p10-p90)",
+             f"{b.median_ms.graph_runner:.2f} ms ({b.p10_ms.graph_runner:.2f}-{b.p90_ms.graph_runner:.2f})", "05", src),
+            ("... eager, the same run (p10-p90; it moves with the host CPU)",
+             f"{b.median_ms.eager:.2f} ms ({b.p10_ms.eager:.2f}-{b.p90_ms.eager:.2f})", "05", src),
+            ("... warm-up + capture + validation, once per shape", f"{b.setup_s.graph_runner * 1e3:.0f} ms", "05", src)]
+    gen, src = _source(results, "generation")
+    g = gen[(gen.dtype == "fp16") & (gen.batch == 1)].set_index("decoder")
+    out.append(("GPT-2 fp16 greedy decoding, batch 1: ms per token, transformers eager vs one graph per step",
+                f"{g.ms_per_token.hf_dynamic:.1f} vs {g.ms_per_token.cgutils_graph:.2f} ms", "06", src))
+    mem, src = _source(results, "bucket_memory")
+    out.append(("memory pool of BERT-base's three buckets (128/256/512 tokens, fp16)",
+                f"{mem.pool_bytes.sum() / 2**20:.0f} MiB", "03", src))
+    return out
+
+
+def table(results: Path) -> str:
+    lines = ["| quantity | value | notebook | recorded in |", "|---|---|---|---|"]
+    lines += [f"| {q} | {v} | {n} | {s} |" for q, v, n, s in rows(results)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", default="nvidia-h200", help="results/<gpu> to read (default nvidia-h200)")
+    ap.add_argument("--write", action="store_true", help="update notebooks/README.md between its markers")
+    args = ap.parse_args()
+    text = table(ROOT / "results" / args.gpu)
+    if args.write:
+        readme = README.read_text()
+        pattern = re.escape(MARKERS[0]) + ".*?" + re.escape(MARKERS[1])
+        if not re.search(pattern, readme, re.S):
+            raise SystemExit(f"{README} lacks the markers {MARKERS[0]} ... {MARKERS[1]}")
+        README.write_text(re.sub(pattern, lambda _: f"{MARKERS[0]}\n{text}\n{MARKERS[1]}", readme, flags=re.S))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
