@@ -21,9 +21,11 @@ from __future__ import annotations
 import ast
 import base64
 import sys
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -101,9 +103,19 @@ def recorded_cell(line: str, cell: str) -> None:
 # --- recorded mode: replay under a banner ------------------------------------------------------------
 
 
+def _when(prov: dict) -> str:
+    """``"2026-12-01 16:22 UTC"`` from a provenance's ISO date (the date alone when it has no time)."""
+    date = str(prov.get("date") or "?")
+    try:
+        stamp = datetime.fromisoformat(date).astimezone(timezone.utc)
+    except ValueError:
+        return date[:10]
+    return stamp.strftime("%Y-%m-%d %H:%M UTC")
+
+
 def _banner(prov: dict, digest: str, library: dict | None) -> dict:
-    """The banner above a replayed cell, as display data (plain text and HTML). It says so when the
-    library code the cell ran has changed since (``library``: path -> hash, as recorded)."""
+    """The banner above a replayed cell, as display data (plain text and HTML): where and when it was recorded,
+    and whether the library code the cell ran has changed since (``library``: path -> hash, as recorded)."""
     changed = changed_files(library) if library is not None else None
     if changed is None:
         drift = "which library code it ran was not recorded"
@@ -113,15 +125,31 @@ def _banner(prov: dict, digest: str, library: dict | None) -> dict:
         drift = f"the {len(library)} library files it ran are unchanged"
     warn = changed is None or bool(changed)
     text = (f"Recorded output: this machine has no CUDA device, so this cell shows what it printed on "
-            f"{env.describe(prov)}; cell hash {digest}; {drift}.")
+            f"{env.describe(prov)} ({_when(prov)}); cell hash {digest}; {drift}.")
     commit = str(prov.get("git_commit") or "unknown")[:10]
     html = (f'<div style="border-left:4px solid {"#d08000" if warn else "#76b900"};padding:4px 8px;'
             f'background:{"#fdf3e1" if warn else "#f4f9ec"}">'
             f"<b>Recorded on {prov.get('gpu')}</b> · driver {prov.get('driver')} · CUDA "
             f"{prov.get('cuda')} · torch {prov.get('torch')} · transformers {prov.get('transformers')}"
-            f" · {str(prov.get('date'))[:10]} · commit {commit} · cell {digest}"
-            f"{'<br>⚠ ' + drift if warn else ''}</div>")
+            f" · {_when(prov)} · commit {commit} · cell {digest}"
+            f"{'<br>⚠ ' + drift if warn else ' · ' + drift}</div>")
     return {"text/plain": text, "text/html": html}
+
+
+def _user_traceback(exc: BaseException, note: str = "") -> None:
+    """Make IPython show ``exc`` from the cell's own lines on (its ``_render_traceback_`` protocol), without
+    the frames of the magic that ran the cell; ``note`` is added to the message line."""
+    tb = exc.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<recorded cell"):
+        tb = tb.tb_next
+    lines = traceback.format_exception(type(exc), exc, tb) if tb is not None else \
+        traceback.format_exception_only(type(exc), exc)
+    if note:
+        lines = [*lines[:-1], lines[-1].rstrip("\n") + f" {note}\n"]
+    try:
+        exc._render_traceback_ = lambda: [line.rstrip("\n") for line in "".join(lines).splitlines()]
+    except (AttributeError, TypeError):
+        pass  # an exception type without a __dict__: IPython shows its full traceback
 
 
 def _replay_recorded(shell, c: _Cell) -> None:
@@ -146,7 +174,11 @@ def _replay_recorded(shell, c: _Cell) -> None:
         shell.user_ns[var] = store.load_value(name)
     if rec.get("error"):
         err = rec["error"]
-        raise RecordedCellError(f"(recorded on {prov.get('gpu')}) {err['ename']}: {err['evalue']}")
+        failure = RecordedCellError(f"{err['ename']}: {err['evalue']}")
+        # the error is the lesson: shown as the cell raised it on the GPU, not from inside this replay
+        failure._render_traceback_ = lambda: [f"{err['ename']}: {err['evalue']}",
+                                              f"(raised when this cell was recorded on {prov.get('gpu')}, {_when(prov)})"]
+        raise failure
 
 
 # --- live mode: run, and record ----------------------------------------------------------------------
@@ -253,6 +285,7 @@ def _run_and_record(shell, c: _Cell) -> None:
                          **({"error": {"ename": type(failure).__name__, "evalue": str(failure)[:4000]}}
                             if failure is not None else {})})
     if failure is not None:
+        _user_traceback(failure)
         raise failure
 
 
@@ -283,20 +316,46 @@ def setup_notebook(name: str) -> dict:
     if shell is not None:
         load_ipython_extension(shell)
     m = env.mode()
-    info: dict[str, Any] = {"mode": m}
+    info: dict[str, Any] = {"mode": m, "recorded_cells": _recorded_cells(name)}
+    here = _versions()
     if m == "live":
         import torch
 
         info["device"] = torch.cuda.get_device_name(0)
         print(f"Mode: live, on {info['device']}. Cells measure for real"
-              + (" and are being recorded." if recording_enabled() else "."))
+              + (" and are being recorded." if recording_enabled() else ".") + f" They run on {here}.")
     else:
         info["device"] = "cpu"
+        cells = info["recorded_cells"]
         try:
             store = ResultsStore()
             info["recording"] = store.notebook_meta(name)
-            print(f"Mode: recorded (no CUDA device here). GPU cells show results recorded on "
-                  f"{env.describe(info['recording'])}.")
+            print(f"Mode: recorded (no CUDA device here). The {cells if cells is not None else ''} GPU cells (marked %%recorded) show what they "
+                  f"printed on {env.describe(info['recording'])} ({_when(info['recording'])}); the other cells run "
+                  f"here, on {here}.")
         except RecordingError as exc:
             print(f"Mode: recorded, but {exc}")
     return info
+
+
+def _versions() -> str:
+    """The versions this kernel runs with, as a banner names them."""
+    import platform
+
+    import torch
+
+    try:
+        import transformers
+
+        tf = f", transformers {transformers.__version__}"
+    except ImportError:
+        tf = ""
+    return f"torch {torch.__version__}{tf}, Python {platform.python_version()}"
+
+
+def _recorded_cells(name: str) -> int | None:
+    """How many ``%%recorded`` cells notebooks/<name>.ipynb holds, or None when it cannot be read."""
+    try:
+        return len(recorded_cells(env.REPO_ROOT / "notebooks" / f"{name}.ipynb"))
+    except (RecordingError, InputError):
+        return None

@@ -180,3 +180,38 @@ def test_library_change_is_reported_by_check_and_banner(gpu, shell, monkeypatch,
     path.write_text(json.dumps(rec))
     [status] = cg.check_recordings(tmp_path / "nbs", gpu)
     assert status.status == "library" and "without the list of library files" in status.detail
+
+
+def test_an_intended_error_shows_the_cells_error_not_the_recording_machinery(gpu, shell, monkeypatch):
+    """Issue 24: an intended error showed the traceback of the %%recorded magic (recorded.py frames) in both modes."""
+    body = "def f():\n    raise ValueError('the lesson')\nf()"
+    with pytest.raises(ValueError) as live:
+        run_cell(shell, " lesson --raises", body)
+    shown = "\n".join(live.value._render_traceback_())
+    assert "the lesson" in shown and "in f" in shown and "recorded.py" not in shown
+    recorded_mode(monkeypatch)
+    with pytest.raises(cg.RecordedCellError) as replayed:
+        run_cell(shell, " lesson --raises", body)
+    lines = replayed.value._render_traceback_()
+    assert lines[0] == "ValueError: the lesson" and "recorded on NVIDIA H200, 2026-11-29 12:00 UTC" in lines[1]
+
+
+def test_banners_give_the_time_and_say_the_library_is_unchanged(gpu, shell, monkeypatch):
+    """Issue 24: banners had no time of day, and the HTML one dropped "library files unchanged"."""
+    run_cell(shell, " demo --save v", BODY)
+    shown = recorded_mode(monkeypatch)
+    run_cell(shell, " demo --save v", BODY)
+    text, html = shown[0]["text/plain"], shown[0]["text/html"]
+    assert "2026-11-29 12:00 UTC" in text and "2026-11-29 12:00 UTC" in html
+    assert "library files it ran are unchanged" in html and "⚠" not in html
+
+
+def test_setup_says_which_versions_the_live_cells_run_on(tmp_results, monkeypatch, capsys):
+    import torch
+
+    ResultsStore("nvidia-h200").write_meta(PROV)
+    recorded_mode(monkeypatch)
+    info = recorded.setup_notebook("01_launch_overhead")  # a real notebook: its %%recorded cells are counted
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out and "torch 2.11.0" in out and "(2026-11-29 12:00 UTC)" in out
+    assert info["recorded_cells"] > 0 and f"The {info['recorded_cells']} GPU cells" in out
