@@ -104,6 +104,7 @@ def speedup_bars(summary, title: str = ""):
         ax.set_xticks(list(xs), [w.replace("-", "-\n", 1) for w in part["workload"]], fontsize=8)
         ax.set_title(f"{dtype}, batch 1")
         ax.set_ylabel("speedup over eager (x)")
+        ax.tick_params(labelleft=True)  # sharey hides the right panel's labels: each panel is read on its own
     _legend_below(fig, axes[0][0], title)
     return fig
 
@@ -133,9 +134,11 @@ def latency_bars(summary, title: str = ""):
             ax.bar([x + (i - (len(variants) - 1) / 2) * width for x in xs], part[v], width,
                    label=_label(v), color=COLORS[v])
         ax.set_yscale("log")
+        _plain_log_labels(ax.yaxis)
+        ax.tick_params(labelleft=True)
         ax.set_xticks(list(xs), [w.replace("-", "-\n", 1) for w in part["workload"]], fontsize=8)
         ax.set_title(f"{dtype}, batch 1")
-        ax.set_ylabel("median latency per iteration (ms)")
+        ax.set_ylabel("median latency per iteration (ms, log scale)")
     _legend_below(fig, axes[0][0], title)
     return fig
 
@@ -187,15 +190,15 @@ def _label(v: str) -> str:
 def decoder_bars(gen, title: str = ""):
     """One generate call (ms, log scale) per decoder, labelled with tokens/s."""
     ok = gen[gen.status == "ok"].reset_index(drop=True)
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    colors = ["#7f7f7f", "#bcbd22", "#1f77b4", "#76b900", "#ff7f0e"]
-    ax.barh([SUITES["generation"].label(d) for d in ok.decoder], ok.median_ms, color=colors[: len(ok)])
+    fig, ax = plt.subplots(figsize=(9.5, 0.45 * len(ok) + 1.4))  # wide: the decoder names take half of it
+    # one colour per decoder: with fewer colours than bars matplotlib cycles, and two decoders looked alike
+    colors = ["#7f7f7f", "#bcbd22", "#1f77b4", "#76b900", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+    ax.barh([SUITES["generation"].label(d) for d in ok.decoder], ok.median_ms,
+            color=[colors[i % len(colors)] for i in range(len(ok))])
     for y, (ms, tps) in enumerate(zip(ok.median_ms, ok.tokens_per_s, strict=True)):
         ax.annotate(f" {ms:.0f} ms, {tps:.0f} tok/s", (ms, y), va="center", fontsize=8)
     ax.set_xscale("log")
-    # plain numbers on the log axis: the default 10^2-style labels and minor labels collided
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
+    _plain_log_labels(ax.xaxis)
     ax.set_xlim(right=ok.median_ms.max() * 6)  # room for the labels right of the longest bar
     ax.invert_yaxis()
     ax.set_xlabel("one generate call, median (ms, log scale)")
@@ -393,16 +396,34 @@ def trial_spread(trials, variants=("eager", "graph_runner"), title: str = ""):
     return _finish(fig, ax, title)
 
 
-def barh(values, xlabel: str, title: str = "", errors=None, color: str = "#76b900"):
+def barh(values, xlabel: str, title: str = "", errors=None, color: str = "#76b900", log: bool | None = None):
     """Horizontal bars, one per entry of ``values`` (a ``pandas.Series``; its index labels the bars, first on
-    top), with optional ``errors`` (``[below, above]`` arrays, e.g. a p10–p90 range) and values printed at the
-    bars' ends."""
+    top), with optional ``errors`` (``[below, above]`` arrays, e.g. a p10–p90 range) and values printed past the
+    end of each bar's error bar (on it they were overprinted). ``log``: a log x axis; by default when the largest
+    bar is 5× the smallest or more, where a linear axis squeezes the small ones together."""
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(values) + 1.4))
-    y = range(len(values))[::-1]
-    ax.barh(list(y), list(values.values), xerr=errors, color=color, ecolor="#444", capsize=3)
-    ax.set_yticks(list(y), [str(i) for i in values.index], fontsize=8)
-    for yi, v in zip(y, values.values, strict=True):
-        ax.text(v, yi, f" {v:.3g}", va="center", fontsize=7)
+    y = list(range(len(values))[::-1])
+    vals = [float(v) for v in values.values]
+    ax.barh(y, vals, xerr=errors, color=color, ecolor="#444", capsize=3)
+    ax.set_yticks(y, [str(i) for i in values.index], fontsize=8)
+    above = [float(a) for a in errors[1]] if errors is not None else [0.0] * len(vals)
+    positive = [v for v in vals if v > 0]
+    if log is None:
+        log = bool(positive) and max(positive) >= 5 * min(positive)
+    for yi, v, a in zip(y, vals, above, strict=True):
+        ax.annotate(f"{v:.3g}", (v + a, yi), xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
+    if log:
+        ax.set_xscale("log")
+        _plain_log_labels(ax.xaxis)
+        ax.set_xlim(right=max(v + a for v, a in zip(vals, above, strict=True)) * 2)
+        xlabel += ", log scale"
+    else:
+        ax.margins(x=0.15)
     ax.set_xlabel(xlabel)
-    ax.margins(x=0.15)
     return _finish(fig, ax, title)
+
+
+def _plain_log_labels(axis) -> None:
+    """Plain numbers on a log axis: the default 10^2-style labels and minor labels collided."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
