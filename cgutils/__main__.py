@@ -3,7 +3,8 @@
 * ``env``: device, mode and versions; the recordings available.
 * ``bench [SUITE]``: a benchmark suite of :data:`cgutils.bench.SUITES` (``bench --help`` lists them).
   Measured on a CUDA GPU; without one, the recorded tables and their provenance (exit 0).
-* ``trace FILE``: launch statistics and a launch-bound verdict for a torch.profiler trace.
+* ``trace FILE``: launch statistics and a launch-bound verdict for a torch.profiler trace; ``--coverage`` adds
+  the share of GPU work inside graph launches and the eager islands.
 * ``figures``: redraw the committed figures from the committed recordings (no GPU needed).
 * ``record``: on a CUDA GPU, execute every notebook live and record results into ``results/<gpu>/``;
   ``record --check`` reports recordings that are stale (cell changed), ran library code that changed
@@ -181,6 +182,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
     print(f"verdict: {s.verdict}")
     if t.skipped:
         print(f"skipped events: {t.skipped}")
+    if args.coverage:
+        from .analysis import graph_coverage
+
+        cov = graph_coverage(t)
+        print(f"\n{cov}")
+        if len(cov.islands):
+            shown = cov.islands.head(args.islands)
+            print(f"eager islands (first {len(shown)} of {len(cov.islands)}; start_us/end_us from the first GPU "
+                  f"activity):")
+            with pd.option_context("display.precision", 1, "display.max_colwidth", 40):
+                print(shown.to_string(index=False))
     if ranges is not None:
         first = min(df.ts.min() for df in (t.ops, t.runtime, t.kernels, t.annotations) if len(df))
         ranges = ranges.assign(ts=ranges.ts - first).rename(columns={"ts": "start_us", "dur": "dur_us"})
@@ -228,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("trace", help="summarise a torch.profiler Chrome trace (.json or .json.gz)")
     t.add_argument("file", help="a torch.profiler Chrome trace (.json or .json.gz), e.g. from cgutils.profile")
     t.add_argument("--range", help="also break down the GPU work launched inside this annotation")
+    t.add_argument("--coverage", action="store_true", help="also the share of GPU work that ran in CUDA graph "
+                   "launches, and the eager islands between them (cgutils.graph_coverage)")
+    t.add_argument("--islands", type=int, default=10, help="eager islands listed with --coverage (default 10)")
     t.set_defaults(func=cmd_trace)
     args = parser.parse_args(argv)
     try:

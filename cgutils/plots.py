@@ -329,6 +329,31 @@ def timeline(traces: dict, window_name: str = "forward", title: str = ""):
     return fig
 
 
+def coverage_bands(coverages: dict, title: str = ""):
+    """GPU activity over time, graphed (inside a graph launch) against eager, one row per trace.
+
+    Args:
+        coverages: ``{label: cgutils.graph_coverage(trace)}``; time runs from each trace's first GPU activity.
+    """
+    fig, ax = plt.subplots(figsize=(9, 0.7 * len(coverages) + 1.5))
+    for row, cov in enumerate(coverages.values()):
+        acts = cov.activities
+        t0 = float(acts.ts.min()) if len(acts) else 0.0
+        for graphed, color in ((True, COLORS["graph_runner"]), (False, COLORS["eager"])):
+            part = acts[acts.graphed == graphed]
+            ax.broken_barh(list(zip(part.ts - t0, part.dur)), (row - 0.35, 0.7), color=color)
+    ax.set_yticks(range(len(coverages)), [f"{label}: {cov.summary.graphed_time_fraction:.0%} graphed"
+                                          for label, cov in coverages.items()], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("µs from the trace's first GPU activity")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=COLORS["graph_runner"], label="in a graph launch"),
+                       Patch(color=COLORS["eager"], label="eager (an island)")], fontsize=8, ncol=2,
+              frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.28))  # below the axes: not over the bars
+    return _finish(fig, ax, title)
+
+
 def memory_plot(mem, title: str = ""):
     """Memory added by CUDA graphs vs the number of sequence lengths served, one line per setup
     (``bench.memory_table``)."""

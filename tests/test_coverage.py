@@ -1,0 +1,57 @@
+"""Graph coverage of a trace (issue 26): the share of GPU work inside graph launches and the eager islands, on
+synthetic Kineto traces and on the recorded BERT-base traces, checked against the parser's kernel-level links."""
+
+import pytest
+from test_trace import ev, kineto_events, write
+
+import cgutils as cg
+from cgutils.trace import GRAPH_LAUNCHES, load_trace
+
+
+def test_islands_busy_time_and_context_of_a_synthetic_trace(tmp_path):
+    """kineto_events: four eager activities (three launch APIs and a copy), then a replay of three kernels."""
+    extra = [ev("cuda_runtime", "cudaLaunchKernel", 190.0, 3.0, correlation=7),
+             ev("kernel", "after", 195.0, 2.0, correlation=7, stream=7, device=0),
+             ev("kernel", "orphan", 198.0, 1.0, correlation=99, stream=7, device=0)]  # no runtime call: unattributed
+    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": kineto_events() + extra})))
+    s = cov.summary
+    assert (s.activities, s.graphed_activities, s.kernels, s.graphed_kernels) == (9, 3, 8, 3)
+    assert s.graphed_busy_us == pytest.approx(12.0)  # k1 110-115, k2 115-120, k3 118-122 overlap once
+    assert s.gpu_busy_us == pytest.approx(2 + 4 + 3 + 1 + 12 + 2 + 1)
+    assert s.graph_launches == 1 and s.unattributed == 1 and s.islands == 2
+    first, second = cov.islands.to_dict("records")
+    assert (first["activities"], first["kernels"], first["launch_calls"]) == (4, 3, 4)
+    assert (first["cpu_op"], first["range"], first["first"], first["last"]) == ("aten::add", "forward", "add_kernel",
+                                                                                  "Memcpy DtoD")
+    assert (second["activities"], second["launch_calls"], second["first"], second["last"]) == (2, 1, "after", "orphan")
+    assert "33.3% of 9 GPU activities ran in 1 graph launch; 2 eager islands" in str(cov)
+
+
+def test_a_trace_without_gpu_work_has_no_islands(tmp_path):
+    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": [ev("cpu_op", "aten::mm", 0, 5)]})))
+    assert cov.summary.activities == 0 and cov.islands.empty and cov.summary.graphed_time_fraction != 0.0
+
+
+@pytest.mark.parametrize("name, graphed", [("bert_eager", False), ("bert_replay", True)])
+def test_recorded_traces_agree_with_the_kernel_level_links(name, graphed):
+    path = cg.env.REPO_ROOT / "results" / "nvidia-h200" / "traces" / f"{name}.json.gz"
+    trace = load_trace(path)
+    cov = cg.graph_coverage(trace)
+    links = trace.links()
+    truth = links[links.call.isin(GRAPH_LAUNCHES) & (links.kind == "kernel")]
+    assert cov.summary.graphed_kernels == len(truth) and cov.summary.kernels == len(trace.kernels)
+    if graphed:  # a replay's kernels all come from its graph launches; only the runner's copies are eager
+        assert cov.summary.graphed_kernels == cov.summary.kernels
+        assert (cov.islands.kernels == 0).all() and cov.summary.graphed_time_fraction > 0.9
+    else:
+        assert cov.summary.graphed_activities == 0 and len(cov.islands) == 1
+        assert cov.islands.activities.iloc[0] == cov.summary.activities
+
+
+def test_the_cli_prints_coverage_and_islands(capsys):
+    from cgutils.__main__ import main
+
+    path = cg.env.REPO_ROOT / "results" / "nvidia-h200" / "traces" / "bert_replay.json.gz"
+    assert main(["trace", str(path), "--coverage", "--islands", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "graph coverage:" in out and "eager islands (first 2 of 3" in out
