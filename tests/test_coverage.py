@@ -12,19 +12,21 @@ def test_islands_busy_time_and_context_of_a_synthetic_trace(tmp_path):
     """kineto_events: four eager activities (three launch APIs and a copy), then a replay of three kernels."""
     extra = [ev("cuda_runtime", "cudaLaunchKernel", 190.0, 3.0, correlation=7),
              ev("kernel", "after", 195.0, 2.0, correlation=7, stream=7, device=0),
-             ev("kernel", "orphan", 198.0, 1.0, correlation=99, stream=7, device=0)]  # no runtime call: unattributed
+             ev("kernel", "orphan", 198.0, 1.0, correlation=99, stream=7, device=0),  # no runtime call: unattributed
+             ev("kernel", "lost1", 300.0, 1.0, correlation=98, stream=7, device=0),  # two from one missing call:
+             ev("kernel", "lost2", 302.0, 1.0, correlation=98, stream=7, device=0)]  # a replay's, most likely
     cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": kineto_events() + extra})))
     s = cov.summary
-    assert (s.activities, s.graphed_activities, s.kernels, s.graphed_kernels) == (9, 3, 8, 3)
+    assert (s.activities, s.graphed_activities, s.kernels, s.graphed_kernels) == (11, 3, 10, 3)
     assert s.graphed_busy_us == pytest.approx(12.0)  # k1 110-115, k2 115-120, k3 118-122 overlap once
-    assert s.gpu_busy_us == pytest.approx(2 + 4 + 3 + 1 + 12 + 2 + 1)
-    assert s.graph_launches == 1 and s.unattributed == 1 and s.islands == 2
+    assert s.gpu_busy_us == pytest.approx(2 + 4 + 3 + 1 + 12 + 2 + 1 + 2)
+    assert (s.graph_launches, s.unattributed, s.unattributed_shared, s.islands) == (1, 3, 2, 2)
     first, second = cov.islands.to_dict("records")
     assert (first["activities"], first["kernels"], first["launch_calls"]) == (4, 3, 4)
     assert (first["cpu_op"], first["range"], first["first"], first["last"]) == ("aten::add", "forward", "add_kernel",
                                                                                   "Memcpy DtoD")
-    assert (second["activities"], second["launch_calls"], second["first"], second["last"]) == (2, 1, "after", "orphan")
-    assert "33.3% of 9 GPU activities ran in 1 graph launch; 2 eager islands" in str(cov)
+    assert (second["activities"], second["launch_calls"], second["first"], second["last"]) == (4, 1, "after", "lost2")
+    assert "27.3% of 11 GPU activities ran in 1 graph launch; 2 eager islands; 2 more activities share" in str(cov)
 
 
 def test_a_trace_without_gpu_work_has_no_islands(tmp_path):

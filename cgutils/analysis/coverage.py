@@ -34,7 +34,10 @@ class Coverage:
             activity intervals), ``graphed_time_fraction`` (graphed / busy), ``activities``,
             ``graphed_activities``, ``graphed_activity_fraction``, ``kernels``, ``graphed_kernels``,
             ``graph_launches``, ``eager_launch_calls``, ``islands``, ``unattributed`` (activities whose
-            correlation id matches no runtime call: counted eager, with no CPU context).
+            correlation id matches no runtime call: counted eager, with no CPU context; a trace that starts while
+            work is queued has some), ``unattributed_shared`` (those of them that share their correlation id with
+            another activity: one call started several, which only a graph launch does, so likely a replay whose
+            ``cudaGraphLaunch`` the trace lacks).
         islands: one row per eager island, in GPU time order: ``island`` (0-based), ``start_us``/``end_us``
             (from the trace's first activity), ``activities``, ``kernels``, ``gpu_us`` (summed durations),
             ``launch_calls`` (distinct calls that started them), ``cpu_op`` (the innermost CPU operator around
@@ -52,7 +55,9 @@ class Coverage:
         return (f"graph coverage: {s.graphed_time_fraction:.1%} of {s.gpu_busy_us:.0f} µs GPU-busy time and "
                 f"{s.graphed_activity_fraction:.1%} of {int(s.activities)} GPU activities ran in "
                 f"{int(s.graph_launches)} graph launch{'es' if s.graph_launches != 1 else ''}; {int(s.islands)} eager "
-                f"island{'s' if s.islands != 1 else ''}")
+                f"island{'s' if s.islands != 1 else ''}"
+                + (f"; {int(s.unattributed_shared)} more activities share correlation ids of launch calls the trace "
+                   f"lacks (likely graph launches)" if s.unattributed_shared else ""))
 
 
 def graph_coverage(trace: Trace | str | Path) -> Coverage:
@@ -95,6 +100,8 @@ def graph_coverage(trace: Trace | str | Path) -> Coverage:
         "graph_launches": int(calls.name.isin(GRAPH_LAUNCHES).sum()),
         "eager_launch_calls": int((~calls.name.isin(GRAPH_LAUNCHES)).sum()),
         "islands": len(islands), "unattributed": int(acts.call.isna().sum()),
+        "unattributed_shared": int((acts.call.isna() & acts.correlation.duplicated(keep=False)
+                                    & (acts.correlation >= 0)).sum()),
     })
     return Coverage(summary=summary, islands=islands, activities=acts)
 
