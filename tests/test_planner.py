@@ -1,0 +1,65 @@
+"""The bucket planner (issue 27): known answers, an exhaustive search on small cases, and its errors."""
+
+import itertools
+import random
+
+import pytest
+
+import cgutils as cg
+from cgutils.errors import InputError
+
+
+def test_known_answers_on_a_uniform_sample():
+    lengths = range(1, 9)  # each size once; a replay costs its bucket size
+    every = cg.plan_buckets(lengths, {b: float(b) for b in range(1, 9)})
+    assert every.buckets == tuple(range(1, 9)) and every.expected_ms == pytest.approx(4.5)
+    one = cg.plan_buckets(lengths, lambda b: float(b), max_buckets=1)
+    assert one.buckets == (8,) and one.expected_ms == pytest.approx(8.0)
+    two = cg.plan_buckets(lengths, lambda b: float(b), max_buckets=2)  # (x*x + 8*(8-x)) / 8 is least at x = 4
+    assert two.buckets == (4, 8) and two.expected_ms == pytest.approx(6.0)
+    assert two.padded_fraction == pytest.approx(sum((4 - n) / 4 for n in range(1, 5)) / 8
+                                                + sum((8 - n) / 8 for n in range(5, 9)) / 8)
+    assert two.table.requests.tolist() == [4, 4] and two.table.share.sum() == pytest.approx(1.0)
+    by_memory = cg.plan_buckets(lengths, lambda b: float(b), memory_bytes=lambda b: 1e9, memory_budget=2e9)
+    assert by_memory.buckets == (4, 8) and by_memory.memory_bytes == 2e9
+
+
+def test_requests_above_the_largest_affordable_bucket_run_eagerly():
+    plan = cg.plan_buckets([1, 1, 1, 100], {1: 1.0, 100: 10.0}, memory_bytes={1: 1, 100: 100}, memory_budget=50,
+                           eager_ms=lambda n: 50.0)
+    assert plan.buckets == (1,) and plan.eager_requests == 1 and plan.expected_ms == pytest.approx((3 + 50) / 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_plan_is_the_best_ladder_an_exhaustive_search_finds(seed):
+    rng = random.Random(seed)
+    cand = sorted(rng.sample(range(1, 60), 7))
+    lengths = [rng.randint(1, cand[-1]) for _ in range(40)]
+    ms = {c: 0.2 + 0.01 * c + rng.random() * 0.05 for c in cand}
+    mem = {c: rng.randint(1, 10) * 1e6 for c in cand}
+    budget, k = 20e6, 3
+    plan = cg.plan_buckets(lengths, ms, memory_bytes=mem, memory_budget=budget, max_buckets=k, steps=20)
+
+    def cost(ladder):
+        return sum(ms[min(b for b in ladder if b >= n)] for n in lengths) / len(lengths)
+
+    feasible = [s for r in range(1, k + 1) for s in itertools.combinations(cand, r)
+                if s[-1] == cand[-1] and sum(mem[b] for b in s) <= budget]
+    assert plan.expected_ms == pytest.approx(min(cost(s) for s in feasible))
+    assert plan.memory_bytes <= budget and len(plan.buckets) <= k
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lengths": []}, "non-empty sample"),
+    ({"lengths": [1, 0]}, "integers >= 1"),
+    ({"lengths": [1, 50]}, "above every candidate"),
+    ({"memory_budget": 10}, "needs memory_bytes"),
+    ({"max_buckets": 0}, "max_buckets"),
+    ({"replay_ms": [1, 2]}, "mapping"),
+    ({"candidates": [1, 3]}, "no value for candidate size 3"),
+    ({"memory_bytes": {1: 5, 2: 5}, "memory_budget": 1}, "no ladder fits"),
+])
+def test_bad_input_is_named(kwargs, match):
+    args = {"lengths": [1, 2], "replay_ms": {1: 1.0, 2: 2.0}, **kwargs}
+    with pytest.raises(InputError, match=match):
+        cg.plan_buckets(args.pop("lengths"), args.pop("replay_ms"), **args)
