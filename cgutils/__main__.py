@@ -202,6 +202,17 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     from .workloads import DTYPES, WORKLOADS
 
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--range", help="also break down the GPU work launched inside this annotation")
     t.add_argument("--coverage", action="store_true", help="also the share of GPU work that ran in CUDA graph "
                    "launches, and the eager islands between them (cgutils.graph_coverage)")
-    t.add_argument("--islands", type=int, default=10, help="eager islands listed with --coverage (default 10)")
+    t.add_argument("--islands", type=_count, default=10, help="eager islands listed with --coverage (default 10)")
     t.set_defaults(func=cmd_trace)
     args = parser.parse_args(argv)
     try:

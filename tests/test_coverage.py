@@ -57,3 +57,31 @@ def test_the_cli_prints_coverage_and_islands(capsys):
     assert main(["trace", str(path), "--coverage", "--islands", "2"]) == 0
     out = capsys.readouterr().out
     assert "graph coverage:" in out and "eager islands (first 2 of 3" in out
+
+
+def test_per_thread_stream_launches_devices_and_processes(tmp_path):
+    """From a new user's pass: cudaGraphLaunch_ptsz replays counted as eager; islands and busy time crossed devices;
+    the CPU op came from another process with the same thread id."""
+    def on(dev, e):
+        e["args"]["device"] = dev
+        return e
+
+    events = [
+        ev("cpu_op", "aten::add", 0.0, 50.0), {**ev("cpu_op", "OTHER_PROC_op", 0.0, 60.0), "pid": 9},
+        ev("cuda_runtime", "cudaLaunchKernel", 1.0, 1.0, correlation=1), on(0, ev("kernel", "e1", 10.0, 2.0, correlation=1)),
+        ev("cuda_runtime", "cudaGraphLaunch_ptsz", 2.0, 1.0, correlation=2),
+        on(1, ev("kernel", "g1", 11.0, 2.0, correlation=2)), on(1, ev("kernel", "g2", 13.0, 2.0, correlation=2)),
+        ev("cuda_runtime", "cudaLaunchKernel", 3.0, 1.0, correlation=3), on(0, ev("kernel", "e2", 14.0, 2.0, correlation=3)),
+    ]
+    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": events})))
+    s = cov.summary
+    assert (s.graph_launches, s.graphed_activities, s.islands) == (1, 2, 1)  # e1, e2: one island on device 0
+    assert s.gpu_busy_us == pytest.approx(8.0) and s.graphed_busy_us == pytest.approx(4.0)  # per device, summed
+    assert cov.islands.cpu_op.tolist() == ["aten::add"]
+
+
+def test_what_is_not_a_trace_is_refused_and_an_empty_one_says_so(tmp_path):
+    with pytest.raises(cg.InputError, match="load_trace"):
+        cg.graph_coverage({"traceEvents": []})
+    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": [ev("cpu_op", "aten::mm", 0, 5)]})))
+    assert str(cov) == "graph coverage: no GPU activity in this trace"

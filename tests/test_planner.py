@@ -50,7 +50,7 @@ def test_the_plan_is_the_best_ladder_an_exhaustive_search_finds(seed):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"lengths": []}, "non-empty sample"),
+    ({"lengths": []}, "non-empty"),
     ({"lengths": [1, 0]}, "integers >= 1"),
     ({"lengths": [1, 50]}, "above every candidate"),
     ({"memory_budget": 10}, "needs memory_bytes"),
@@ -63,3 +63,43 @@ def test_bad_input_is_named(kwargs, match):
     args = {"lengths": [1, 2], "replay_ms": {1: 1.0, 2: 2.0}, **kwargs}
     with pytest.raises(InputError, match=match):
         cg.plan_buckets(args.pop("lengths"), args.pop("replay_ms"), **args)
+
+
+def test_a_ladder_that_fills_the_budget_exactly_is_found():
+    """From a new user's pass: each graph's memory was rounded up to budget/512 units, so three graphs of 100 bytes
+    did not fit a 300-byte budget and a worse ladder came back."""
+    plan = cg.plan_buckets([1, 2, 3], {1: 1.0, 2: 2.0, 3: 3.0}, memory_bytes={1: 100, 2: 100, 3: 100}, memory_budget=300)
+    assert plan.buckets == (1, 2, 3) and plan.expected_ms == pytest.approx(2.0)
+
+
+def test_everything_eager_when_no_graph_pays_or_fits():
+    plan = cg.plan_buckets([50, 60], {1: 1.0, 2: 1.0}, eager_ms=5.0)
+    assert plan.buckets == () and plan.eager_requests == 2 and plan.expected_ms == 5.0 and plan.memory_bytes == 0
+    tight = cg.plan_buckets([1, 2], {1: 1.0, 2: 1.0}, memory_bytes={1: 10, 2: 10}, memory_budget=5, eager_ms={1: 3.0, 2: 3.0})
+    assert tight.buckets == () and tight.expected_ms == 3.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"memory_bytes": {1: -10, 2: 20}, "memory_budget": 100}, "finite number >= 0"),
+    ({"memory_bytes": {1: float("nan"), 2: 20}, "memory_budget": 100}, "finite number >= 0"),
+    ({"replay_ms": {1: -5.0, 2: 1.0}}, "finite number >= 0"),
+    ({"replay_ms": {1: None, 2: 1.0}}, "finite number >= 0"),
+    ({"replay_ms": {"1": 1.0, "2": 2.0}}, "keys are strings"),
+    ({"steps": 0, "memory_bytes": {1: 1, 2: 1}, "memory_budget": 10}, "steps"),
+    ({"max_buckets": True}, "max_buckets"),
+    ({"candidates": [2.5, 3]}, "integers"),
+    ({"lengths": [[1, 2]]}, "flat"),
+    ({"eager_ms": "fast"}, "eager_ms must be"),
+])
+def test_more_bad_input_is_named(kwargs, match):
+    args = {"lengths": [1, 2], "replay_ms": {1: 1.0, 2: 2.0}, **kwargs}
+    with pytest.raises(InputError, match=match):
+        cg.plan_buckets(args.pop("lengths"), args.pop("replay_ms"), **args)
+
+
+def test_numpy_inputs_and_integral_floats_are_sizes():
+    import numpy as np
+
+    plan = cg.plan_buckets(np.array([1, 2, 3, 4]), {np.int64(2): 1.0, 4: 2.0}, max_buckets=np.int64(1))
+    assert plan.buckets == (4,)
+    assert cg.plan_buckets([1.0, 2.0], {1: 1.0, 2: 2.0}).buckets == (1, 2)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..capture.inspect import short_kernel_name
-from ..trace import GRAPH_LAUNCHES, Trace, load_trace, union_length
+from ..errors import InputError
+from ..trace import Trace, load_trace, union_length
 
 ISLAND_COLUMNS = ["island", "start_us", "end_us", "activities", "kernels", "gpu_us", "launch_calls", "cpu_op",
                   "range", "first", "last"]
@@ -52,12 +54,21 @@ class Coverage:
 
     def __str__(self) -> str:
         s = self.summary
+        if not s.activities:
+            return "graph coverage: no GPU activity in this trace"
         return (f"graph coverage: {s.graphed_time_fraction:.1%} of {s.gpu_busy_us:.0f} µs GPU-busy time and "
                 f"{s.graphed_activity_fraction:.1%} of {int(s.activities)} GPU activities ran in "
                 f"{int(s.graph_launches)} graph launch{'es' if s.graph_launches != 1 else ''}; {int(s.islands)} eager "
                 f"island{'s' if s.islands != 1 else ''}"
-                + (f"; {int(s.unattributed_shared)} more activities share correlation ids of launch calls the trace "
-                   f"lacks (likely graph launches)" if s.unattributed_shared else ""))
+                + (f"; {int(s.unattributed_shared)} more activities share correlation ids that no single launch "
+                   f"call in the trace carries (likely graph launches whose call is missing)"
+                   if s.unattributed_shared else ""))
+
+
+def is_graph_launch(names: pd.Series) -> pd.Series:
+    """Which runtime/driver call names launch a graph: ``cudaGraphLaunch``, ``cuGraphLaunch``, ``hipGraphLaunch``
+    and their per-thread default-stream forms (``cudaGraphLaunch_ptsz``, ``hipGraphLaunch_spt``)."""
+    return names.astype(str).str.contains("GraphLaunch", regex=False)
 
 
 def graph_coverage(trace: Trace | str | Path) -> Coverage:
@@ -73,32 +84,42 @@ def graph_coverage(trace: Trace | str | Path) -> Coverage:
     Raises:
         TraceFormatError: the file is not a trace (from :func:`cgutils.load_trace`).
     """
+    if not isinstance(trace, (Trace, str, Path)):
+        raise InputError(f"graph_coverage takes a cgutils.Trace or the path of a trace file, got {type(trace).__name__}; "
+                         f"load a file with cgutils.load_trace(path)")
     t = trace if isinstance(trace, Trace) else load_trace(trace)
-    acts = t.device_activity().reset_index(drop=True)
+    acts = t.device_activity()
+    # islands never cross devices: each device's activities in its own start order
+    acts = acts.assign(device=acts.device.fillna(-1)).sort_values(["device", "ts"], kind="stable").reset_index(drop=True)
     calls = t.launch_calls()
     by_corr = calls.drop_duplicates("correlation").set_index("correlation")
     call_name = acts.correlation.map(by_corr.name)
-    graphed = call_name.isin(GRAPH_LAUNCHES).to_numpy()
+    graphed = is_graph_launch(call_name.fillna("")).to_numpy()
     island = np.full(len(acts), -1)
     eager_idx = np.flatnonzero(~graphed)
     if len(eager_idx):
-        # consecutive eager activities (in GPU start order) form one island; a graphed activity between ends it
-        breaks = np.concatenate([[True], np.diff(eager_idx) > 1])
+        dev = acts.device.to_numpy()
+        # consecutive eager activities of one device form an island; a graphed one between them, or another device,
+        # ends it
+        breaks = np.concatenate([[True], (np.diff(eager_idx) > 1) | (dev[eager_idx][1:] != dev[eager_idx][:-1])])
         island[eager_idx] = np.cumsum(breaks) - 1
     acts = acts.assign(call=call_name, graphed=graphed, island=island)
-    start, end = acts.ts.to_numpy(), (acts.ts + acts.dur).to_numpy()
-    busy = union_length(start, end)
-    g_busy = union_length(start[graphed], end[graphed])
+
+    def busy(mask: np.ndarray) -> float:  # summed over devices: each device's busy time counts once
+        part = acts[mask]
+        return float(sum(union_length(g.ts.to_numpy(), (g.ts + g.dur).to_numpy()) for _, g in part.groupby("device")))
+
+    total, g_busy = busy(np.ones(len(acts), bool)), busy(graphed)
     n, n_g = len(acts), int(graphed.sum())
     kernels = (acts.kind == "kernel").to_numpy()
     islands = _islands(t, acts, by_corr)
+    launches = is_graph_launch(calls.name)
     summary = pd.Series(dtype=object, data={  # object: counts stay ints
-        "gpu_busy_us": busy, "graphed_busy_us": g_busy, "eager_busy_us": union_length(start[~graphed], end[~graphed]),
-        "graphed_time_fraction": g_busy / busy if busy > 0 else float("nan"),
+        "gpu_busy_us": total, "graphed_busy_us": g_busy, "eager_busy_us": busy(~graphed),
+        "graphed_time_fraction": g_busy / total if total > 0 else float("nan"),
         "activities": n, "graphed_activities": n_g, "graphed_activity_fraction": n_g / n if n else float("nan"),
         "kernels": int(kernels.sum()), "graphed_kernels": int((kernels & graphed).sum()),
-        "graph_launches": int(calls.name.isin(GRAPH_LAUNCHES).sum()),
-        "eager_launch_calls": int((~calls.name.isin(GRAPH_LAUNCHES)).sum()),
+        "graph_launches": int(launches.sum()), "eager_launch_calls": int((~launches).sum()),
         "islands": len(islands), "unattributed": int(acts.call.isna().sum()),
         "unattributed_shared": int((acts.call.isna() & acts.correlation.duplicated(keep=False)
                                     & (acts.correlation >= 0)).sum()),
@@ -111,27 +132,48 @@ def _islands(t: Trace, acts: pd.DataFrame, by_corr: pd.DataFrame) -> pd.DataFram
     if eager.empty:
         return pd.DataFrame(columns=ISLAND_COLUMNS)
     t0 = float(acts.ts.min())
-    ops, ranges = t.ops, t.annotations[t.annotations.side == "cpu"]
-    rows = []
-    for k, part in eager.groupby("island", sort=True):
-        launched = part.correlation[part.correlation.isin(by_corr.index)]
-        first_call = by_corr.loc[launched.iloc[0]] if len(launched) else None
-        rows.append({
-            "island": int(k), "start_us": float(part.ts.min()) - t0, "end_us": float((part.ts + part.dur).max()) - t0,
-            "activities": len(part), "kernels": int((part.kind == "kernel").sum()), "gpu_us": float(part.dur.sum()),
-            "launch_calls": int(launched.nunique()),
-            "cpu_op": _innermost(ops, first_call), "range": _innermost(ranges, first_call),
-            "first": _short(part.iloc[0]), "last": _short(part.iloc[-1])})
-    return pd.DataFrame(rows, columns=ISLAND_COLUMNS)
+    linked = eager.correlation.where(eager.correlation.isin(by_corr.index))
+    g = eager.assign(end=eager.ts + eager.dur, linked=linked, is_kernel=eager.kind == "kernel").groupby("island")
+    out = g.agg(start_us=("ts", "min"), end_us=("end", "max"), activities=("ts", "size"), kernels=("is_kernel", "sum"),
+                gpu_us=("dur", "sum"), launch_calls=("linked", "nunique"), first_call=("linked", "first"))
+    firsts, lasts = g.head(1).set_index("island"), g.tail(1).set_index("island")
+    out["first"] = [_short(n, k) for n, k in zip(firsts.name, firsts.kind, strict=True)]
+    out["last"] = [_short(n, k) for n, k in zip(lasts.name, lasts.kind, strict=True)]
+    out[["start_us", "end_us"]] -= t0
+    # the CPU context of each island: spans around its first launch call, on that call's process and thread
+    calls = by_corr.reindex(out.first_call.dropna().astype("int64"))
+    queries = pd.DataFrame({"island": out.index[out.first_call.notna()], "pid": calls.pid.to_numpy(),
+                            "tid": calls.tid.to_numpy(), "ts": calls.ts.to_numpy()})
+    out["cpu_op"] = _innermost(t.ops, queries).reindex(out.index).fillna("")
+    out["range"] = _innermost(t.annotations[t.annotations.side == "cpu"], queries).reindex(out.index).fillna("")
+    out = out.reset_index().astype({"activities": int, "kernels": int, "launch_calls": int})
+    return out[ISLAND_COLUMNS]
 
 
-def _short(activity: pd.Series) -> str:
-    return short_kernel_name(activity["name"]) if activity["kind"] == "kernel" else str(activity["name"])
+def _short(name: str, kind: str) -> str:
+    return short_kernel_name(name) if kind == "kernel" else str(name)
 
 
-def _innermost(spans: pd.DataFrame, call: pd.Series | None) -> str:
-    """The name of the shortest span on ``call``'s thread that contains its start, or ``""``."""
-    if call is None or spans.empty:
-        return ""
-    around = spans[(spans.tid == call.tid) & (spans.ts <= call.ts) & (spans.ts + spans.dur >= call.ts)]
-    return "" if around.empty else str(around.loc[around.dur.idxmin(), "name"])
+def _innermost(spans: pd.DataFrame, queries: pd.DataFrame) -> pd.Series:
+    """For each query (``island``, ``pid``, ``tid``, ``ts``), the name of the innermost span of that thread open at
+    ``ts``, by island. One sweep per thread over span starts, span ends and queries in time order, with a stack of
+    open spans (spans of one thread nest; one that ended is popped before a query is answered)."""
+    found: dict[Any, str] = {}
+    if spans.empty or queries.empty:
+        return pd.Series(found, dtype=object)
+    for (pid, tid), qs in queries.groupby(["pid", "tid"], dropna=False):
+        mine = spans[(spans.pid == pid) & (spans.tid == tid)] if pd.notna(pid) else spans[spans.tid == tid]
+        mine = mine.sort_values(["ts", "dur"], ascending=[True, False], kind="stable")
+        starts, ends, names = mine.ts.to_numpy(), (mine.ts + mine.dur).to_numpy(), mine.name.to_numpy()
+        stack: list[int] = []
+        k = 0
+        for island, ts in sorted(zip(qs.island, qs.ts, strict=True), key=lambda q: q[1]):
+            while k < len(starts) and starts[k] <= ts:
+                while stack and ends[stack[-1]] < starts[k]:
+                    stack.pop()
+                stack.append(k)
+                k += 1
+            while stack and ends[stack[-1]] < ts:
+                stack.pop()
+            found[island] = str(names[stack[-1]]) if stack else ""
+    return pd.Series(found, dtype=object)

@@ -44,17 +44,56 @@ class BucketPlan:
     table: pd.DataFrame
 
 
-def _as_function(what: str, value: Any, candidates: list[int] | None) -> Callable[[int], float]:
-    if callable(value):
-        return value
-    if isinstance(value, Mapping):
-        def look_up(size: int) -> float:
-            if size not in value:
+def _as_function(what: str, value: Any) -> Callable[[int], float]:
+    """``value`` (a number, a mapping ``{size: value}`` or a function of the size) as a checked function: every
+    value it gives is a finite number >= 0."""
+    if isinstance(value, bool) or value is None:
+        raise InputError(f"{what} must be a number, a mapping {{size: value}} or a function of the size, got {value!r}")
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        number = float(value)
+        value = lambda _size: number  # noqa: E731 - one value for every size
+    elif isinstance(value, Mapping):
+        table = value
+        if table and all(isinstance(k, str) for k in table):
+            raise InputError(f"{what}'s keys are strings ({next(iter(table))!r}): sizes must be ints, e.g. "
+                             f"{{int(k): v for k, v in {what}.items()}} after reading JSON")
+
+        def value(size: int) -> float:
+            if size not in table:
                 raise InputError(f"{what} has no value for candidate size {size}: measure it, or leave it out of "
                                  f"candidates")
-            return float(value[size])
-        return look_up
-    raise InputError(f"{what} must be a mapping {{size: value}} or a function of the size, got {type(value).__name__}")
+            return table[size]
+    elif not callable(value):
+        raise InputError(f"{what} must be a number, a mapping {{size: value}} or a function of the size, got "
+                         f"{type(value).__name__}")
+    fn = value
+
+    def checked(size: int) -> float:
+        v = fn(size)
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            v = math.nan
+        if not (math.isfinite(v) and v >= 0):
+            raise InputError(f"{what} for size {size} is {fn(size)!r}: it must be a finite number >= 0")
+        return v
+    return checked
+
+
+def _sizes(what: str, values: Any) -> np.ndarray:
+    """``values`` as a 1-D int64 array of sizes >= 1 (integral floats accepted), or an InputError saying why not."""
+    try:
+        arr = np.asarray(list(values), dtype=float)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{what} must be an iterable of sizes (ints >= 1), got {type(values).__name__}") from exc
+    if arr.ndim != 1 or arr.size == 0:
+        raise InputError(f"{what} must be a non-empty, flat sequence of sizes (ints >= 1)")
+    if not np.isfinite(arr).all() or (arr != np.round(arr)).any() or (arr < 1).any():
+        raise InputError(f"{what} must hold sizes that are integers >= 1")
+    return arr.astype(np.int64)
+
+
+_MAX_CELLS = 2**26  # table cells of the search (layers x candidates x memory units): about 1 GiB with back-pointers
 
 
 def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callable[[int], float], *,
@@ -73,9 +112,15 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
         max_buckets: the most buckets (graphs) to capture.
         candidates: sizes a bucket may have; default the keys of ``replay_ms`` when it is a mapping, else the
             distinct sizes in ``lengths``.
-        eager_ms: cost of a request above the largest bucket, as a function of its size (ms); default: none
-            allowed (the largest bucket must hold the largest request).
-        steps: memory is counted in ``memory_budget / steps`` units, each graph's rounded up (default 512).
+        eager_ms: cost of a request above the largest bucket (ms): a number, ``{size: ms}`` or a function of the
+            size; default: none allowed (the largest bucket must hold the largest request).
+        steps: without a common unit of the memory values (see below), memory is counted in
+            ``memory_budget / steps`` units, each graph's rounded up (default 512).
+
+    Memory is tracked exactly when the budget and each graph's memory are whole multiples of one unit that splits
+    the budget into at most 4096 (byte counts usually are); otherwise in ``budget / steps`` units rounded up, so
+    a plan never exceeds the budget but may miss one that fills it to within a unit. With ``eager_ms`` the plan
+    may be empty (every request eager) when no graph pays or fits.
 
     Returns:
         :class:`BucketPlan`.
@@ -84,33 +129,38 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
         InputError: an empty or non-positive sample, a bad option, no candidate that holds the largest request
             when ``eager_ms`` is not given, or no ladder within ``memory_budget`` / ``max_buckets``.
     """
-    sizes = np.asarray(list(lengths))
-    if sizes.size == 0 or not np.issubdtype(sizes.dtype, np.integer) or (sizes < 1).any():
-        raise InputError("lengths must be a non-empty sample of request sizes, integers >= 1")
+    sizes = _sizes("lengths", lengths)
     if candidates is None:
         candidates = list(replay_ms) if isinstance(replay_ms, Mapping) else np.unique(sizes).tolist()
-    cand = sorted({int(c) for c in candidates})
-    if not cand or cand[0] < 1:
-        raise InputError("candidates must be sizes >= 1")
-    if max_buckets is not None and (not isinstance(max_buckets, int) or max_buckets < 1):
-        raise InputError(f"max_buckets must be an int >= 1, got {max_buckets!r}")
-    if memory_budget is not None and not (memory_budget > 0 and memory_bytes is not None):
-        raise InputError("memory_budget needs memory_bytes (what each candidate's graph adds) and must be > 0")
-    cost = _as_function("replay_ms", replay_ms, cand)
-    mem = _as_function("memory_bytes", memory_bytes, cand) if memory_bytes is not None else (lambda _s: 0.0)
-    if eager_ms is None and cand[-1] < sizes.max():
+    cand = sorted(set(_sizes("candidates", candidates).tolist()))
+    if max_buckets is not None:
+        if isinstance(max_buckets, bool) or not isinstance(max_buckets, (int, np.integer)) or max_buckets < 1:
+            raise InputError(f"max_buckets must be an int >= 1, got {max_buckets!r}")
+        max_buckets = None if max_buckets >= len(cand) else int(max_buckets)  # no limit then
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise InputError(f"steps must be an int >= 1 (memory units in the budget), got {steps!r}")
+    if memory_budget is not None and not (memory_bytes is not None and isinstance(memory_budget, (int, float))
+                                          and math.isfinite(memory_budget) and memory_budget > 0):
+        raise InputError("memory_budget needs memory_bytes (what each candidate's graph adds) and must be a finite "
+                         "number > 0")
+    cost = _as_function("replay_ms", replay_ms)
+    mem = _as_function("memory_bytes", memory_bytes) if memory_bytes is not None else (lambda _s: 0.0)
+    eager = _as_function("eager_ms", eager_ms) if eager_ms is not None else None
+    if eager is None and cand[-1] < sizes.max():
         raise InputError(f"the largest request ({int(sizes.max())}) is above every candidate (largest {cand[-1]}); "
                          f"add a larger candidate, or pass eager_ms for requests above the largest bucket")
     c_ms = np.array([cost(c) for c in cand], dtype=float)
     c_mem = np.array([mem(c) for c in cand], dtype=float)
-    unit = memory_budget / steps if memory_budget is not None else None
-    w = np.ceil(c_mem / unit).astype(int) if unit else np.zeros(len(cand), dtype=int)
-    width = steps + 1 if unit else 1
+    w, width = _memory_units(c_mem, memory_budget, int(steps))
     # requests per candidate interval: cum[j] = requests of size <= cand[j]
     cum = np.searchsorted(np.sort(sizes), cand, side="right")
+    layers = max_buckets or 1
+    if layers * len(cand) * width > _MAX_CELLS:
+        raise InputError(f"the search would need {layers * len(cand) * width:,} table cells ({len(cand)} candidates, "
+                         f"{width} memory units, {layers} bucket counts): offer fewer candidates, lower steps, or "
+                         f"drop max_buckets")
     # best[k, j, m]: least total cost of the requests <= cand[j], served by buckets whose largest is cand[j], using
     # m memory units and k + 1 buckets (one layer, any number of buckets, without max_buckets)
-    layers = min(max_buckets, len(cand)) if max_buckets else 1
     best = np.full((layers, len(cand), width), math.inf)
     back = np.full((layers, len(cand), width), -1, dtype=int)
     for j in range(len(cand)):
@@ -129,14 +179,20 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
             back[k, j, w[j]:][better] = i_best[better]
     # the top bucket: one that holds the largest request, or any, with the requests above it run eagerly
     total = best.copy()
-    if eager_ms is None:
+    all_eager = math.inf
+    if eager is None:
         total[:, : int(np.searchsorted(cand, sizes.max())), :] = math.inf
     else:
         order = np.sort(sizes)
-        tail = np.concatenate([np.cumsum([eager_ms(int(v)) for v in order[::-1]])[::-1], [0.0]])
+        costs = np.array([eager(int(v)) for v in order[::-1]])
+        tail = np.concatenate([np.cumsum(costs)[::-1], [0.0]])
         total += tail[np.searchsorted(order, cand, side="right")][None, :, None]  # eager cost of requests > cand[j]
+        all_eager = float(tail[0])  # no graph at all
+    if eager is not None and all_eager <= total.min():
+        return _plan(sizes, (), cost, mem, eager)
     if not np.isfinite(total).any():
-        raise InputError("no ladder fits memory_budget / max_buckets: raise the budget, or offer smaller candidates")
+        raise InputError("no ladder fits memory_budget / max_buckets: raise the budget, or offer smaller candidates "
+                         "(or pass eager_ms, which allows running everything eagerly)")
     k, j, m = (int(v) for v in np.unravel_index(np.argmin(total), total.shape))
     chosen = [cand[j]]
     while back[k, j, m] >= 0:
@@ -144,14 +200,33 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
         m, j, k = m - w[j], i, (k - 1 if max_buckets else 0)
         chosen.append(cand[j])
     buckets = tuple(sorted(chosen))
-    return _plan(sizes, buckets, cost, mem, eager_ms)
+    return _plan(sizes, buckets, cost, mem, eager)
+
+
+def _memory_units(c_mem: np.ndarray, budget: float | None, steps: int) -> tuple[np.ndarray, int]:
+    """Each candidate's memory in whole units, and the number of unit counts the search tracks (budget + 1).
+
+    Exact when the budget and every graph's memory are whole multiples of one unit that divides the budget into at
+    most 4096 (their greatest common divisor, for byte counts); otherwise ``budget / steps``, each graph's memory
+    rounded up, so a plan never exceeds the budget but may miss one that fills it within that rounding."""
+    if budget is None:
+        return np.zeros(len(c_mem), dtype=int), 1
+    values = [*c_mem.tolist(), float(budget)]
+    if all(v == int(v) for v in values):
+        unit = 0
+        for v in values:
+            unit = math.gcd(unit, int(v))
+        if unit and budget / unit <= 4096:
+            return (c_mem // unit).astype(int), int(budget // unit) + 1
+    unit = budget / steps
+    return np.ceil(c_mem / unit - 1e-9).astype(int), steps + 1
 
 
 def _plan(sizes: np.ndarray, buckets: tuple[int, ...], cost: Callable, mem: Callable,
           eager_ms: Callable | None) -> BucketPlan:
-    idx = np.searchsorted(buckets, sizes)  # the smallest bucket >= each request; len(buckets): none
+    idx = np.searchsorted(np.asarray(buckets, dtype=np.int64), sizes)  # the smallest bucket >= each request
     inside = idx < len(buckets)
-    served = np.asarray(buckets)[idx[inside]]
+    served = np.asarray(buckets, dtype=np.int64)[idx[inside]]
     per_request = [cost(int(b)) for b in served] + ([eager_ms(int(v)) for v in sizes[~inside]] if eager_ms else [])
     rows = []
     for n, b in enumerate(buckets):
