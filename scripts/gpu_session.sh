@@ -25,7 +25,7 @@ python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"
 step "PyTorch's cuBLAS-workspace fault, its reproducer (docs/pytorch-cublas-workspace-fault.md)"
 mkdir -p results/nvidia-h200/repro
 { python3 -m cgutils env; for v in compile compile_clear_before; do echo "=== $v bert"
-  timeout 200 python3 docs/repro/cublas_workspace_fault.py $v bert 2>&1 | grep -v "^  warnings.warn\|TensorFloat32"; echo "rc=$?"; done; } \
+  timeout 200 python3 docs/repro/cublas_workspace_fault.py $v bert 2>&1 | grep -v "^  warnings.warn\|TensorFloat32"; echo "rc=${PIPESTATUS[0]}"; done; } \
   > results/nvidia-h200/repro/cublas_workspace_fault.log 2>&1
 tail -20 results/nvidia-h200/repro/cublas_workspace_fault.log
 
