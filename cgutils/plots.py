@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from . import env
@@ -346,8 +347,6 @@ def coverage_bands(coverages: dict, title: str = ""):
                                           for label, cov in coverages.items()], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("µs from the trace's first GPU activity")
-    from matplotlib.patches import Patch
-
     ax.legend(handles=[Patch(color=COLORS["graph_runner"], label="in a graph launch"),
                        Patch(color=COLORS["eager"], label="eager (an island)")], fontsize=8, ncol=2,
               frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.28))  # below the axes: not over the bars

@@ -10,13 +10,13 @@ notebooks/README.md. tests/test_readme_and_recordings.py checks that the two agr
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 import pandas as pd
 
 from cgutils.overhead import fit_per_launch
+from cgutils.store import ResultsStore
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "notebooks" / "README.md"
@@ -24,9 +24,10 @@ MARKERS = ("<!-- numbers:begin -->", "<!-- numbers:end -->")
 
 
 def _source(results: Path, name: str) -> tuple[pd.DataFrame, str]:
-    meta = json.loads((results / f"{name}.meta.json").read_text())
+    store = ResultsStore(results.name, root=results.parent)
+    meta = store.meta_for(name)
     where = f"`{name}.csv`: {meta['gpu']}, torch {meta['torch']}, {meta['date'][:10]}, {meta['git_commit'][:7]}"
-    return pd.read_csv(results / f"{name}.csv"), where
+    return store.load_frame(name), where
 
 
 def rows(results: Path) -> list[tuple[str, str, str, str]]:
