@@ -99,7 +99,8 @@ _MAX_CELLS = 2**26  # table cells of the search (layers x candidates x memory un
 def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callable[[int], float], *,
                  memory_bytes: Mapping[int, float] | Callable[[int], float] | None = None,
                  memory_budget: float | None = None, max_buckets: int | None = None,
-                 candidates: Iterable[int] | None = None, eager_ms: Callable[[int], float] | None = None,
+                 candidates: Iterable[int] | None = None,
+                 eager_ms: float | Mapping[int, float] | Callable[[int], float] | None = None,
                  steps: int = 512) -> BucketPlan:
     """The bucket ladder that minimises the expected cost of the requests in ``lengths``.
 
