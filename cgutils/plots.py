@@ -451,3 +451,59 @@ def _plain_log_labels(axis) -> None:
     """Plain numbers on a log axis: the default 10^2-style labels and minor labels collided."""
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
+
+
+CLOCK_LABELS = {"wall_us": "wall time per call (CUDA events)", "cpu_us": "CPU time issuing it (thread clock)",
+                "gpu_busy_us": "GPU busy time (profiler)"}
+
+
+def clock_bars(per, title: str = ""):
+    """Three clocks per variant, µs, as grouped horizontal bars on a log axis: wall time, the CPU time spent
+    issuing the call, and the GPU's busy time (``per``: index variant, columns ``wall_us``, ``cpu_us``,
+    ``gpu_busy_us``). Eager at batch 1 shows wall ≈ CPU ≫ GPU; a replay wall ≈ GPU ≫ CPU."""
+    cols = [c for c in CLOCK_LABELS if c in per.columns]
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 * len(per) + 1.6))
+    height = 0.8 / len(cols)
+    colors = {"wall_us": "#444444", "cpu_us": COLORS["eager"], "gpu_busy_us": COLORS["graph_runner"]}
+    for j, col in enumerate(cols):
+        y = [len(per) - 1 - i + (len(cols) / 2 - j - 0.5) * height for i in range(len(per))]
+        vals = [float(v) for v in per[col].values]
+        ax.barh(y, vals, height=height * 0.95, color=colors[col], label=CLOCK_LABELS[col])
+        for yi, v in zip(y, vals, strict=True):
+            ax.annotate(f"{v:.0f}", (v, yi), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    ax.set_yticks(range(len(per))[::-1], [str(i) for i in per.index], fontsize=8)
+    ax.set_xscale("log")
+    _plain_log_labels(ax.xaxis)
+    ax.set_xlim(right=float(per[cols].max().max()) * 3)
+    ax.set_xlabel("µs per call, log scale")
+    ax.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    return _finish(fig, ax, title)
+
+
+def pieces_lane(pieces, times=None, title: str = ""):
+    """One call of a piecewise graph as a lane of boxes in replay order: graph pieces green, eager breaks grey
+    (``pieces``: ``runner.pieces()``). With ``times`` (``runner.segment_times()``, column ``us``) a box's width
+    is its time alone; otherwise all boxes are equally wide."""
+    widths = [float(t) for t in times.us] if times is not None else [1.0] * len(pieces)
+    fig, ax = plt.subplots(figsize=(9, 1.9))
+    x = 0.0
+    for (_, row), w in zip(pieces.iterrows(), widths, strict=True):
+        graphed = row.kind == "graph"
+        ax.broken_barh([(x, w)], (0, 1), color=COLORS["graph_runner"] if graphed else COLORS["eager"],
+                       edgecolor="white")
+        name = str(row["name"]) if graphed else ".".join(str(row["name"]).split(".")[-3:])  # fits in a box
+        label = f"{'graph' if graphed else 'eager'}\n{name}" if times is None else f"{name}\n{w:.0f} µs"
+        ax.text(x + w / 2, 0.5, label, ha="center", va="center", fontsize=6.5,
+                color="white" if graphed else "black")
+        x += w
+    ax.set_xlim(0, x)
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    if times is not None:
+        ax.set_xlabel("µs when each segment runs alone")
+    else:
+        ax.set_xticks([])  # replay order only: the boxes are equally wide
+    ax.legend(handles=[Patch(color=COLORS["graph_runner"], label="graph piece (one replay)"),
+                       Patch(color=COLORS["eager"], label="eager break (its module runs in Python)")],
+              fontsize=7, ncol=2, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.35 if times is not None else -0.1))
+    return _finish(fig, ax, title)
