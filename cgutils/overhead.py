@@ -8,7 +8,9 @@ All GPU timings use CUDA events (``cgutils.timing.measure``); every function ret
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -166,23 +168,35 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     Raises:
         NoCudaError: without a CUDA device.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     require_cuda("gpu_activity", _FIX)
     _warm_profiler()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with _profile([ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(acts), float(sum(e.time_range.elapsed_us() for e in acts))
 
 
+@contextlib.contextmanager
+def _profile(activities: list):
+    """``torch.profiler.profile`` without its once-per-process "Profiler clears events at the end of each cycle"
+    warning, which torch 2.11 printed in a lesson's output; every session here is a single cycle."""
+    from torch.profiler import profile
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=activities) as prof:
+            yield prof
+
+
 @functools.cache
 def _warm_profiler() -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    with profile(activities=[ProfilerActivity.CUDA]):
+    with _profile([ProfilerActivity.CUDA]):
         torch.zeros(1, device="cuda").add_(1)
         torch.cuda.synchronize()
 
@@ -261,11 +275,11 @@ def runtime_calls(run: Callable[[], Any]) -> dict[str, int]:
     """
     import collections
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     require_cuda("runtime_calls", _FIX)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     names = (e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)

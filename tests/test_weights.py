@@ -137,3 +137,33 @@ def test_a_function_runner_cannot_load_weights(simulated):
     runner = cg.GraphRunner(lambda x: x * 2, backend=simulated)
     with pytest.raises(InputError, match="wraps a function"):
         runner.load_state_dict({})
+
+
+def test_the_watch_hooks_do_not_make_torch_compile_recompile_every_call():
+    """Regression (H200, notebook 11): with a runner's registration hooks installed, torch.compile of a
+    transformers Llama recompiled on every call and gave up after 8, so reduce-overhead ran at eager speed.
+    Llama's forward slices its ModuleList (``self.layers[:n]``), which registers modules; Dynamo traced the
+    hook's counter increment and guarded on the counter, which the next call had moved."""
+    from torch._dynamo.testing import CompileCounter
+
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[:2]:  # a new ModuleList per call, as transformers' decoders do
+                x = layer(x)
+            return x
+
+    model = Sliced().eval()
+    WeightWatch(model)  # installs the process-wide hooks
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(5):
+            compiled(x)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times in 5 calls"

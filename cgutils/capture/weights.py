@@ -38,6 +38,11 @@ _events = [0]  # bumped by the hooks and by dying storages; compared by every We
 
 
 def _bump(*_: Any) -> None:
+    # Under torch.compile's tracing the increment would become a guard on the counter, which the next call has
+    # moved: a recompile per call (transformers' decoders slice their ModuleList in forward, which registers
+    # modules). What compiled code registers lives only inside its call, so nothing a graph reads is missed.
+    if torch.compiler.is_compiling():
+        return
     _events[0] += 1  # returns None: a registration hook's return value would replace the registered tensor
 
 
