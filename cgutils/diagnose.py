@@ -216,6 +216,12 @@ def _skipped(name: str) -> bool:
     return name.startswith(_STDLIB_DIR) and not any(d in name[len(_STDLIB_DIR) - 1:] for d in _LIBRARY_DIRS)
 
 
+def _below_torch(fr: traceback.FrameSummary) -> bool:
+    """A frame of torch itself or of the standard library (not a package installed there)."""
+    name = _file_key(fr.filename)
+    return name.startswith(_TORCH_DIR) or (_skipped(name) and not name.startswith(_CGUTILS_DIR))
+
+
 def _user_frame(stack: list[traceback.FrameSummary],
                 user_files: frozenset[str] | None) -> traceback.FrameSummary | None:
     for fr in reversed(stack):
@@ -242,7 +248,11 @@ def _caller(stack: list[traceback.FrameSummary], user_files: frozenset[str] | No
 
 
 def _sync_point(op: str, stack: list[traceback.FrameSummary], user_files: frozenset[str] | None) -> SyncPoint | None:
-    fr = _user_frame(stack, user_files)
+    # A sync is never dropped for want of a frame of the user's code: a dropped one made a failed capture read as a
+    # sync from outside PyTorch (``user_code`` naming a package's __init__.py instead of the module that synced).
+    # Then the default user frame, else the innermost frame outside torch and the standard library (cgutils').
+    fr = _user_frame(stack, user_files) or (_user_frame(stack, None) if user_files is not None else None) \
+        or next((f for f in reversed(stack) if not (f.filename.startswith("<frozen") or _below_torch(f))), None)
     if fr is None:
         return None
     return SyncPoint(op, fr.filename, fr.lineno or 0, (fr.line or "").strip(), fr.name, _caller(stack, user_files, fr))

@@ -154,7 +154,10 @@ def test_find_sync_points_honours_user_files(simulated_gpu, library):
     assert (mine.file[0], mine.line[0], mine.function[0]) == (__file__, line, "my_model")
     one_path = find_sync_points(my_model, torch.ones(2), user_files=Path(library.__file__))  # one path, not a list
     assert one_path.line.tolist() == [5]
-    assert find_sync_points(my_model, torch.ones(2), user_files=["/elsewhere.py"]).empty  # none of them on the stack
+    # none of them on the stack: still reported, at the default frame (it was dropped, and a failed capture then
+    # read as a sync from outside PyTorch)
+    elsewhere = find_sync_points(my_model, torch.ones(2), user_files=["/elsewhere.py"])
+    assert (Path(elsewhere.file[0]).name, elsewhere.line.tolist()) == ("their_library.py", [5])
     with pytest.raises(cg.InputError, match="user_files must be file paths"):
         find_sync_points(my_model, torch.ones(2), user_files=[3])
 
@@ -184,6 +187,17 @@ def test_cgutils_frames_are_not_the_users_code_by_default():
     with SyncRecorder() as rec:
         my_model()
     assert [p.function for p in rec.points] == ["my_model"]
+
+
+def test_a_sync_with_only_cgutils_frames_above_torch_is_reported_not_dropped():
+    """Regression (notebook 04 on the H200): a sync made by a function in cgutils, diagnosed under user_code naming
+    a file not on the stack, was dropped, and GraphRunner's error called it a sync from outside PyTorch."""
+    inside_cgutils = Path(cg.__file__).parent / "pitfalls" / "imaginary.py"
+    code = compile(f"import warnings\nwarnings.warn({SYNC_TEXT!r}, stacklevel=1)\n", str(inside_cgutils), "exec")
+    with user_code(["/not/on/the/stack.py"]), SyncRecorder() as rec:
+        exec(code, {})  # noqa: S102 - a cgutils reproducer that syncs, called from here
+    assert len(rec.points) == 1
+    assert rec.points[0].file == __file__  # the default user frame: this test's line that ran it
 
 
 def _failure_with(monkeypatch, text, **attrs):
