@@ -1,7 +1,7 @@
 """Pictures of how one call runs: schematics of a mechanism (static buffers and the pool, a WHILE node) and the
 pieces of a piecewise graph as a lane, drawn with matplotlib.
 
-The measured figures are in :mod:`cgutils.plots`; these share its colours, so a graph piece is the same green in a
+The measured figures are in :mod:`cgutils.plots` (the package this module sits in); these share its colours, so a graph piece is the same green in a
 schematic and in a measured timeline.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
-from .plots import COLORS
+from . import COLORS
 
 
 def _finish(fig, ax, title: str):

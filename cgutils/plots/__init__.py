@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from . import env
-from .bench.registry import SUITES
+from .. import env
+from ..bench.registry import SUITES
 
 FIGURES = env.REPO_ROOT / "figures"
 """Committed figures: written only while recording on a GPU (``make record``)."""
@@ -48,8 +48,8 @@ def save_figure(fig, name: str, data: Iterable[str] = (), folder: Path | str | N
     Raises:
         RecordingError: a ``data`` name has no file in the current store (:func:`cgutils.store.current_store`).
     """
-    from .libcode import file_hash
-    from .store import current_store, recording_enabled
+    from ..libcode import file_hash
+    from ..store import current_store, recording_enabled
 
     names = [data] if isinstance(data, str) else list(data)
     store = current_store() if names else None
