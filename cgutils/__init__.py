@@ -5,7 +5,7 @@ Public API (re-exports only; each name lives in the module that owns it).
 
 import sys
 
-from .analysis import BucketPlan, Coverage, graph_coverage, plan_buckets
+from .analysis import BucketPlan, Coverage, Divergence, find_divergence, graph_coverage, plan_buckets
 from .annotate import annotate_modules, nvtx_range, range_overhead_us
 from .bench import (
     DECODER_LABELS,
@@ -84,7 +84,7 @@ __all__ = [
     "RecordedCellError", "TraceFormatError", "exception_chain",
     # timing, annotation, traces, launch overhead
     "Timing", "device_sync", "measure", "interleaved_trials", "summarize_trials", "nvtx_range", "annotate_modules",
-    "range_overhead_us", "Trace", "compare", "load_trace", "profile", "Coverage", "graph_coverage", "BucketPlan", "plan_buckets", "gpu_activity", "runtime_calls",
+    "range_overhead_us", "Trace", "compare", "load_trace", "profile", "Coverage", "graph_coverage", "BucketPlan", "plan_buckets", "Divergence", "find_divergence", "gpu_activity", "runtime_calls",
     # workloads, generation, benchmark suites
     "WORKLOADS", "get_workload", "GreedyDecoder", "StaticKVState", "hf_generate", "SUITES", "speedup_table",
     "summary_table", "eager_reference", "graph_methods_table", "method_targets", "memory_table", "validation_cost",
