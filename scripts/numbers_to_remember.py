@@ -54,7 +54,7 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
             ("... warm-up + capture + validation, once per shape", f"{b.setup_s.graph_runner * 1e3:.0f} ms", "05", src)]
     gen, src = _source(results, "generation")
     g = gen[(gen.dtype == "fp16") & (gen.batch == 1)].set_index("decoder")
-    out.append(("GPT-2 fp16 greedy decoding, batch 1: ms per token, transformers eager vs one graph per step",
+    out.append(("GPT-2 fp16 greedy decoding, batch 1: ms per token, transformers eager vs the graphed static-cache decoder",
                 f"{g.ms_per_token.hf_dynamic:.1f} vs {g.ms_per_token.cgutils_graph:.2f} ms", "06", src))
     mem, src = _source(results, "bucket_memory")
     out.append(("memory pool of BERT-base's three buckets (128/256/512 tokens, fp16)",
