@@ -106,3 +106,19 @@ def test_new_inputs_through_static_buffers_are_no_divergence():
 def test_only_modules_can_be_watched():
     with pytest.raises(cg.InputError, match="needs an nn.Module"):
         find_divergence(lambda x: x * 2, torch.randn(2))
+
+
+def test_the_seeded_fault_cases_build_and_run_eagerly():
+    """benchmarks/divergence_faults.py is the GPU evaluation; on the CPU every case must still build and run."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "divergence_faults.py"
+    spec = importlib.util.spec_from_file_location("divergence_faults", path)
+    faults = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = faults  # its dataclasses look their module up there
+    spec.loader.exec_module(faults)
+    rows = faults.run("cpu")
+    assert len(rows) == len(faults.CASES) >= 7
+    assert sum(r["expected"] is None for r in rows) >= 3  # fault-free cases, for false alarms

@@ -10,9 +10,11 @@ For that module it also says what its inputs and its own state looked like, whic
 
 - its inputs already differed, though no module before it did: the divergence starts in code between modules
   (a functional call in a parent's ``forward``);
-- a parameter or buffer is no longer the tensor captured (replaced after capture: the graph reads the old one);
+- a parameter, buffer or tensor attribute is no longer the tensor captured (replaced after capture: the graph reads
+  the old one);
 - a plain Python attribute of it changed since capture (a number read at capture and baked into the graph);
-- it drew random numbers (the CUDA generator's offset moved while it ran);
+- it drew random numbers from the default CUDA generator (its offset moved while the module ran eagerly; draws from
+  a generator of your own are not seen and read as "inside");
 - otherwise its inputs were equal and nothing above changed: the fault is inside it (an in-place update of a
   captured tensor, a value computed on the host, a side stream never joined).
 
@@ -87,8 +89,11 @@ def _plain_attributes(module: nn.Module) -> dict[str, Any]:
 
 
 def _tensors_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Its own parameters, buffers and plain tensor attributes (``self.table = t``: a graph reads those by address
+    too, and the runner's weight check does not watch them)."""
     found = dict(module.named_parameters(recurse=False))
     found.update((n, b) for n, b in module.named_buffers(recurse=False) if b is not None)
+    found.update((k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("_"))
     return found
 
 

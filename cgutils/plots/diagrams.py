@@ -22,7 +22,7 @@ def _finish(fig, ax, title: str):
 def pieces_lane(pieces, times=None, title: str = ""):
     """One call of a piecewise graph as a lane of boxes in replay order: graph pieces green, eager breaks grey
     (``pieces``: ``runner.pieces()``). With ``times`` (``runner.segment_times()``, column ``us``) a box's width
-    is its time alone; otherwise all boxes are equally wide."""
+    is its time alone (boxes too narrow for a label go unlabelled); otherwise all boxes are equally wide."""
     widths = [float(t) for t in times.us] if times is not None else [1.0] * len(pieces)
     fig, ax = plt.subplots(figsize=(9, 2.4 if times is not None else 1.9))
     x = 0.0
@@ -32,8 +32,9 @@ def pieces_lane(pieces, times=None, title: str = ""):
                        edgecolor="white")
         name = str(row["name"]) if graphed else ".".join(str(row["name"]).split(".")[-3:])  # fits in a box
         label = f"{'graph' if graphed else 'eager'}\n{name}" if times is None else f"{name}\n{w:.0f} µs"
-        ax.text(x + w / 2, 0.5, label, ha="center", va="center", fontsize=6.5,
-                color="white" if graphed else "black")
+        if w >= 0.07 * sum(widths):  # a narrower box cannot hold its label; the segment table has its time
+            ax.text(x + w / 2, 0.5, label, ha="center", va="center", fontsize=6.5,
+                    color="white" if graphed else "black")
         x += w
     ax.set_xlim(0, x)
     ax.set_ylim(0, 1)
