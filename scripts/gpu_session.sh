@@ -32,6 +32,9 @@ tail -20 results/nvidia-h200/repro/cublas_workspace_fault.log
 step "GraphRunner overhead and threads (benchmarks/runner_overhead.py)"
 python3 benchmarks/runner_overhead.py --out "$out/runner_overhead.json" 2>&1 | tee "$out/runner_overhead.log"
 
+step "find_divergence on seeded faults (benchmarks/divergence_faults.py)"
+python3 benchmarks/divergence_faults.py --out "$out/divergence_faults.json" 2>&1 | tee "$out/divergence_faults.log"
+
 if [ "$what" = smoke ]; then
   step "short benchmark"
   python3 -m cgutils bench --dtypes fp16 --budget 0.3 --out "$out/smoke" 2>&1 | tee "$out/smoke_bench.log"
