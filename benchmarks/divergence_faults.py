@@ -75,6 +75,61 @@ class Noisy(nn.Module):
         return self.lin(x) + torch.rand(x.shape, device=x.device, generator=self.gen)
 
 
+class LengthMask(nn.Module):
+    """Rebuilds a mask when a Python length changes: eager rebuilds it, the graph keeps the mask of capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.length = WIDTH
+
+    def forward(self, x):
+        mask = (torch.arange(x.shape[-1], device=x.device) < self.length).to(x.dtype)
+        return self.lin(x) * mask
+
+
+class CacheWrite(nn.Module):
+    """Writes into a cache buffer at a Python index: the graph writes where the index was at capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(8, 4, WIDTH))
+        self.index = 0
+
+    def forward(self, x):
+        self.cache[self.index] = x
+        return self.cache.sum(0)
+
+
+class Ema(nn.Module):
+    """Moves its weight in place each call: GraphRunner keeps that as eager would (not a fault)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.mul_(0.99)
+        return self.lin(x)
+
+
+class SideStream(nn.Module):
+    """Runs part of its work on a side stream it never joins back: capture refuses it (loud)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.side = None
+
+    def forward(self, x):
+        self.side = self.side or torch.cuda.Stream()
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            y = self.lin(x)
+        return y
+
+
 class Scatter(nn.Module):
     """index_add_ in fp32 with atomics: bits may differ from run to run, well inside tolerance (not a fault)."""
 
@@ -111,6 +166,12 @@ CASES = [
     # "Attempt to increase offset for a CUDA generator not in capture mode"): loud, not silent
     Case("random draws from an unregistered generator", lambda d: (_wrap(Noisy(d)), None), "2", "inside",
          refused=True),
+    Case("mask rebuilt from a Python length", lambda d: (_wrap(LengthMask()), lambda m: setattr(m[2], "length", 16)),
+         "2", "python_value"),
+    Case("cache written at a Python index", lambda d: (_wrap(CacheWrite()), lambda m: setattr(m[2], "index", 3)),
+         "2", "python_value"),
+    Case("side stream never joined", lambda d: (_wrap(SideStream()), None), "2", "inside", refused=True),
+    Case("weight updated in place by forward (not a fault)", lambda d: (_wrap(Ema()), None), None, ""),
     Case("weights loaded in place (not a fault)",
          lambda d: (_wrap(Scaled()), lambda m: m[0].weight.data.mul_(0.5)), None, ""),
     Case("atomic scatter in fp32 (not a fault)", lambda d: (_wrap(Scatter()), None), None, ""),
@@ -125,9 +186,10 @@ def run(device: str) -> list[dict]:
         model, change = case.build(device)
         model = model.to(device).eval()
         x = torch.randn(4, WIDTH, device=device)
-        if device != "cuda":  # smoke: the case builds and runs
-            with torch.no_grad():
-                model(x)
+        if device != "cuda":  # smoke: the case builds (and runs, unless it needs CUDA streams)
+            if not isinstance(model[2], SideStream):
+                with torch.no_grad():
+                    model(x)
             rows.append({"case": case.name, "expected": case.module, "found": "(not run: no CUDA)", "placed": None})
             continue
         try:

@@ -19,7 +19,8 @@ For that module it also says what its inputs and its own state looked like, whic
   captured tensor, a value computed on the host, random numbers from a generator the graph does not know).
 
 Cost: one capture (no validation), two replays and one eager call; memory for every submodule call's outputs and
-inputs, twice (one forward's activations kept, plus its inputs), and one copy of the root's buffers.
+inputs, twice (one forward's activations kept, plus its inputs), and copies of the root's buffers and parameters
+(two of those the function updates in place).
 Tested on the CPU with a simulated capture (``tests/test_divergence.py``); the seeded faults of
 ``benchmarks/divergence_faults.py`` are its GPU evaluation.
 """
@@ -170,11 +171,15 @@ class _State:
     """The root's buffers and tensor attributes, the tensor arguments of a call and the random generators, kept
     so that they can be put back: the eager reference then starts where the compared replay started."""
 
-    def __init__(self, root: nn.Module, args: tuple, kwargs: dict):
+    def __init__(self, root: nn.Module, args: tuple, kwargs: dict, params: list | None = None):
         self.tensors = [t for m in root.modules() for t in _tensors_of(m).values()
                         if not isinstance(t, nn.Parameter)]
         self.tensors += [t for _, t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self.saved = [t.detach().clone() for t in self.tensors]
+        # parameters (all of them before anything ran; later those updated in place, seen by their version
+        # counters) are kept in host memory: a model's weights may not fit twice on its GPU
+        self.tensors += params or []
+        self.saved += [p.detach().to("cpu", copy=True) for p in params or []]
         self.cpu_rng = torch.random.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
@@ -224,8 +229,8 @@ def find_divergence(fn: Callable[..., Any], *args: Any, change: Callable[[], Any
         backend: passed to the GraphRunner that captures (tests: a CPU simulation of capture and replay).
 
     Returns:
-        :class:`Divergence`. Before the compared replay the root's buffers and tensor attributes, the tensor
-        arguments and the random generators are kept; the eager reference starts from them, and at the end they
+        :class:`Divergence`. Before the compared replay the root's buffers and tensor attributes, the parameters
+        the function updates in place, the tensor arguments and the random generators are kept; the eager reference starts from them, and at the end they
         are put back as they were before this function ran (Python attributes that ``forward`` changes are not).
 
     Raises:
@@ -242,7 +247,9 @@ def find_divergence(fn: Callable[..., Any], *args: Any, change: Callable[[], Any
                          f"{type(fn).__name__}. Pass the module itself (find_divergence(model, x)).")
     r_args = args if replay_args is None else tuple(replay_args)
     r_kwargs = kwargs if replay_kwargs is None else dict(replay_kwargs)
-    before = _State(root, args, kwargs)
+    params = list(dict.fromkeys(root.parameters()))
+    versions = [p._version for p in params]
+    before = _State(root, args, kwargs, params)
     recorder = _Recorder(root)
     call = Compared(fn, root, recorder)
     try:
@@ -252,7 +259,8 @@ def find_divergence(fn: Callable[..., Any], *args: Any, change: Callable[[], Any
         watched = {m: (_tensors_of(m), _plain_attributes(m)) for m in root.modules()}  # as captured
         if change is not None:
             change()
-        start = _State(root, r_args, r_kwargs)
+        updated = [p for p, v in zip(params, versions, strict=True) if p._version != v]  # in place, by forward
+        start = _State(root, r_args, r_kwargs, updated)
         runner(*r_args, **r_kwargs)  # a replay rewrites the capture pass's clones (a simulation records a pass)
         if backend is None and torch.cuda.is_available():
             torch.cuda.synchronize()
