@@ -56,16 +56,17 @@ class Scaled(nn.Module):
 
 
 class BakedBackend(SimulatedBackend):
-    """A simulation whose replay also reads the plain Python attributes ``module`` had at capture, as a graph
-    replays the value a kernel was captured with."""
+    """A simulation whose replay also reads the plain Python attributes (of the types in ``kinds``) that ``module``
+    had at capture, as a graph replays the value a kernel was captured with."""
 
-    def __init__(self, module):
+    def __init__(self, module, kinds=(float,)):
         super().__init__(frozen=module)
-        self.module = module
+        self.module, self.kinds = module, kinds
 
     def capture(self, fn, **kw):
         graph, out = super().capture(fn, **kw)
-        baked = {m: {k: v for k, v in vars(m).items() if isinstance(v, float)} for m in self.module.modules()}
+        baked = {m: {k: v for k, v in vars(m).items() if isinstance(v, self.kinds) and not isinstance(v, bool)
+                     and not k.startswith("_")} for m in self.module.modules()}
         replay = graph.replay
 
         def replay_baked():
@@ -186,31 +187,8 @@ def test_a_changed_shape_is_a_divergence_not_an_error():
 
     model = nn.Sequential(nn.Linear(8, 8), Cut()).eval()
     found = find_divergence(model, torch.randn(2, 8), change=lambda: setattr(model[1], "keep", 2),
-                            backend=_IntBaked(model))
+                            backend=BakedBackend(model, kinds=(int, float)))
     assert found.module == "1" and found.max_rel_error == float("inf") and found.kind == "python_value"
-
-
-class _IntBaked(BakedBackend):
-    """BakedBackend for int attributes too."""
-
-    def capture(self, fn, **kw):
-        graph, out = SimulatedBackend.capture(self, fn, **kw)
-        baked = {m: {k: v for k, v in vars(m).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                     and not k.startswith("_")} for m in self.module.modules()}
-        replay = graph.replay
-
-        def replay_baked():
-            now = {m: {k: getattr(m, k) for k in d} for m, d in baked.items()}
-            for m, d in baked.items():
-                vars(m).update(d)
-            try:
-                replay()
-            finally:
-                for m, d in now.items():
-                    vars(m).update(d)
-
-        graph.replay = replay_baked
-        return graph, out
 
 
 @pytest.mark.parametrize("bad, match", [

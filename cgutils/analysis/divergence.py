@@ -327,7 +327,8 @@ def _classify(root: nn.Module, name: str, watched: dict, now: dict, r_in: list, 
     except InputError:
         inputs_differ = True
     if inputs_differ:
-        parents = [".".join(name.split(".")[:i]) for i in range(name.count(".") + (name != ""), -1, -1)][1:]
+        parts = name.split(".") if name else []
+        parents = [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]  # innermost first, the root last
         for parent in parents:
             p_replaced, p_changed = _changes(root.get_submodule(parent), watched, now)
             if p_replaced or p_changed:

@@ -89,15 +89,10 @@ def speedup_bars(summary, title: str = ""):
     Where the summary has ``<variant>_speedup_p10`` and ``_p90`` (a table measured in interleaved
     trials), each bar carries an error bar from the 10th to the 90th percentile across trials."""
     variants = [v for v in ("graph_runner", "raw_graph", "compile_ro") if f"{v}_speedup" in summary]
-    dtypes = _dtypes(summary)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
-    width = 0.8 / max(1, len(variants))
-    for ax, dtype in zip(axes[0], dtypes, strict=False):
-        part = summary[summary["dtype"] == dtype].reset_index(drop=True)
-        xs = range(len(part))
-        for i, v in enumerate(variants):
-            ax.bar([x + (i - (len(variants) - 1) / 2) * width for x in xs], part[f"{v}_speedup"],
-                   width, label=_label(v), color=COLORS[v], yerr=_speedup_range(part, v),
+    fig, panels = _dtype_panels(summary)
+    for ax, dtype, part, xs in panels:
+        for v, at, width in _bar_slots(variants, xs):
+            ax.bar(at, part[f"{v}_speedup"], width, label=_label(v), color=COLORS[v], yerr=_speedup_range(part, v),
                    error_kw={"ecolor": "#222", "elinewidth": 0.8, "capsize": 2})
         ax.scatter(list(xs), part["article_speedup"], marker="_", s=600, color=COLORS["article"],
                    linewidths=2.5, label="source article, A100 (graph)", zorder=3)
@@ -106,7 +101,7 @@ def speedup_bars(summary, title: str = ""):
         ax.set_title(f"{dtype}, batch 1")
         ax.set_ylabel("speedup over eager (x)")
         ax.tick_params(labelleft=True)  # sharey hides the right panel's labels: each panel is read on its own
-    _legend_below(fig, axes[0][0], title)
+    _legend_below(fig, fig.axes[0], title)
     return fig
 
 
@@ -125,23 +120,32 @@ def _speedup_range(part, v: str):
 def latency_bars(summary, title: str = ""):
     """Median latency (ms, log scale) per workload and variant, one panel per dtype."""
     variants = [v for v in ("eager", "graph_runner", "raw_graph", "compile_ro") if v in summary]
-    dtypes = _dtypes(summary)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
-    width = 0.8 / max(1, len(variants))
-    for ax, dtype in zip(axes[0], dtypes, strict=False):
-        part = summary[summary["dtype"] == dtype].reset_index(drop=True)
-        xs = range(len(part))
-        for i, v in enumerate(variants):
-            ax.bar([x + (i - (len(variants) - 1) / 2) * width for x in xs], part[v], width,
-                   label=_label(v), color=COLORS[v])
+    fig, panels = _dtype_panels(summary)
+    for ax, dtype, part, xs in panels:
+        for v, at, width in _bar_slots(variants, xs):
+            ax.bar(at, part[v], width, label=_label(v), color=COLORS[v])
         ax.set_yscale("log")
         _plain_log_labels(ax.yaxis)
         ax.tick_params(labelleft=True)
         ax.set_xticks(list(xs), [w.replace("-", "-\n", 1) for w in part["workload"]], fontsize=8)
         ax.set_title(f"{dtype}, batch 1")
         ax.set_ylabel("median latency per iteration (ms, log scale)")
-    _legend_below(fig, axes[0][0], title)
+    _legend_below(fig, fig.axes[0], title)
     return fig
+
+
+def _dtype_panels(summary):
+    """One panel per dtype sharing a y axis: the figure and ``(ax, dtype, rows of that dtype, x positions)``."""
+    dtypes = _dtypes(summary)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4), sharey=True, squeeze=False)
+    parts = [summary[summary["dtype"] == d].reset_index(drop=True) for d in dtypes]
+    return fig, [(ax, d, part, range(len(part))) for ax, d, part in zip(axes[0], dtypes, parts, strict=False)]
+
+
+def _bar_slots(variants, xs):
+    """``(variant, bar x positions, bar width)``: the variants side by side around each x."""
+    width = 0.8 / max(1, len(variants))
+    return [(v, [x + (i - (len(variants) - 1) / 2) * width for x in xs], width) for i, v in enumerate(variants)]
 
 
 def speedup_vs_ops(summary, variant: str = "graph_runner", title: str = ""):
