@@ -225,3 +225,17 @@ def test_a_weight_updated_in_place_by_forward_is_no_false_alarm_and_is_put_back(
     found = find_divergence(model, torch.randn(2, 8), backend=SimulatedBackend(frozen=model))
     assert found.module is None, str(found)
     assert torch.equal(model[1].lin.weight, w)  # as before the call
+
+
+def test_without_cuda_or_a_backend_it_says_what_it_needs(monkeypatch):
+    """A new user on a CPU got GraphRunner's message ("call the model eagerly instead"), which names another tool."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(cg.NoCudaError, match="find_divergence needs a CUDA device.*simulation"):
+        find_divergence(nn.Linear(2, 2), torch.ones(1, 2))
+
+
+def test_the_runners_messages_name_the_users_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Counter()).eval()
+    with pytest.warns(UserWarning, match=r"GraphRunner\(Sequential"):
+        find_divergence(model, torch.randn(2, 8), backend=SimulatedBackend(frozen=model))

@@ -38,6 +38,7 @@ from torch import nn
 from ..capture.compare import default_rtol, max_rel_error
 from ..capture.nest import tree_leaves
 from ..capture.weights import module_of
+from ..checks import require_cuda
 from ..errors import InputError
 
 _PLAIN = (bool, int, float, complex, str)
@@ -226,17 +227,28 @@ def find_divergence(fn: Callable[..., Any], *args: Any, change: Callable[[], Any
             (new weights, a changed attribute, a counter advanced). Most replay faults only show after one.
         replay_args, replay_kwargs: the compared call (default: the captured one's arguments).
         rtol: tolerated relative error per module output (default 1e-3, 1e-2 when the outputs hold fp16/bf16).
-        backend: passed to the GraphRunner that captures (tests: a CPU simulation of capture and replay).
+        backend: passed to the GraphRunner that captures; ``None`` (default) captures on the GPU. The tests pass a
+            CPU simulation (``tests/simulation.py``), whose replay re-runs Python, so most faults cannot show there.
 
     Returns:
-        :class:`Divergence`. Before the compared replay the root's buffers and tensor attributes, the parameters
-        the function updates in place, the tensor arguments and the random generators are kept; the eager reference starts from them, and at the end they
-        are put back as they were before this function ran (Python attributes that ``forward`` changes are not).
+        :class:`Divergence` (``.kind``, ``.detail``, ``.fix``; ``.table`` per module call). The eager reference
+        starts from the state the compared replay started from: the root's buffers and tensor attributes, the
+        parameters the function updates in place, the tensor arguments and the random generators are kept before
+        the replay and put back before the eager call. At the end they are put back as they were before this
+        function ran (Python attributes that ``forward`` changes are not). Parameters replaced in ``change()``
+        (``module.weight = nn.Parameter(...)``) show no divergence: GraphRunner sees them and captures again.
 
     Raises:
         InputError: bad arguments; ``fn`` is not a module or a method of one; the replay and eager calls ran
             different modules (data-dependent control flow in Python: capture one path at a time).
+        NoCudaError: no backend given and no CUDA device visible.
         CaptureError: the capture itself failed (its message says why).
+
+    Example::
+
+        found = cg.find_divergence(model, x, change=lambda: setattr(model.head, "scale", 0.5))
+        print(found)        # first divergence in head (...): python_value: scale: 1.0 at capture, 0.5 now. Fix: ...
+        found.table         # every module call's max relative error, in the order the calls finished
     """
     from ..capture.runner import GraphRunner
 
@@ -245,13 +257,18 @@ def find_divergence(fn: Callable[..., Any], *args: Any, change: Callable[[], Any
     if root is None:
         raise InputError(f"find_divergence needs an nn.Module or a method of one, to watch its submodules; got "
                          f"{type(fn).__name__}. Pass the module itself (find_divergence(model, x)).")
+    if backend is None:
+        require_cuda("find_divergence", "it captures and replays a CUDA graph; on a CPU only the tests' simulation "
+                     "(backend=SimulatedBackend(...) from tests/simulation.py) can stand in, and it shows only "
+                     "what a replay that re-runs Python can show")
     r_args = args if replay_args is None else tuple(replay_args)
     r_kwargs = kwargs if replay_kwargs is None else dict(replay_kwargs)
     params = list(dict.fromkeys(root.parameters()))
     versions = [p._version for p in params]
     before = _State(root, args, kwargs, params)
     recorder = _Recorder(root)
-    call = Compared(fn, root, recorder)
+    # named after the user's model: the runner's warnings and errors name the class of what it captures
+    call = type(type(root).__name__, (Compared,), {})(fn, root, recorder)
     try:
         runner = GraphRunner(call, validate=False, **({"backend": backend} if backend is not None else {}))
         runner(*args, **kwargs)  # warm-up passes, then the capture pass: its clones live in the pool
