@@ -37,6 +37,7 @@ class Explanation:
 
     Attributes:
         key: short name of the cause: ``sync``, ``invalidated``, ``default_stream``, ``rng``,
+            ``capture_merge``, ``captured_event``, ``wrong_thread``, ``unmatched``,
             ``unjoined``, ``host_copy``, ``allocation``.
         cause: what most likely happened, in words.
         fix: what to change.
@@ -81,6 +82,23 @@ _RULES: list[tuple[str, str, str, str]] = [
     ("unjoined", r"cudaErrorStreamCaptureUnjoined|unjoined",
      "work forked onto another stream during capture was not joined back",
      "make the capture stream wait on every side stream (stream.wait_stream) before capture ends"),
+    # Texts of cudaGetErrorString (CUDA 12/13 runtime) for the three codes below, with their enum names
+    ("capture_merge", r"cudaErrorStreamCaptureMerge|merge of two independent capture sequences",
+     "a stream that belongs to one capture waited on work of another capture (an event or wait_stream "
+     "across two graphs being captured at once, e.g. two threads capturing, or a side stream shared by both)",
+     "give each capture its own side streams and events, and do not make one capture wait on another"),
+    ("captured_event", r"cudaErrorCapturedEvent|event last recorded in a capturing stream",
+     "the host queried or waited on a CUDA event recorded inside the capture (event.query(), "
+     "event.synchronize(), elapsed_time): an event in a graph being built has not happened",
+     "time and query events outside the captured function: record them around graph.replay() instead"),
+    ("wrong_thread", r"cudaErrorStreamCaptureWrongThread|capture sequence from another thread",
+     "a capture begun in one thread (thread-local capture mode) was ended or joined from another thread",
+     "begin and end each capture in the same thread (GraphRunner does; with torch.cuda.graph keep the whole "
+     "`with` block in one thread)"),
+    ("unmatched", r"cudaErrorStreamCaptureUnmatched|capture was not initiated in this stream",
+     "capture was ended on a stream other than the one it began on (the current stream changed inside the "
+     "captured region and was not put back)",
+     "use `with torch.cuda.stream(side):` blocks inside the capture, so the current stream is restored"),
     ("sync", r"operation not permitted when stream is capturing|cudaErrorStreamCaptureUnsupported"
              r"|cannot be called during (CUDA graph )?capture|synchroniz\w* .*captur",
      "the captured code made a call that is illegal during capture, most often a CPU-GPU "
