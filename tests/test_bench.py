@@ -105,7 +105,7 @@ def test_run_refuses_a_measure_that_returns_the_wrong_number_of_tables():
     ("generation", "cgutils_graph", lambda: plots.decoder_bars(pd.DataFrame({
         "decoder": ["cgutils_graph"], "median_ms": [50.0], "tokens_per_s": [2000.0], "status": ["ok"]}))),
     ("memory", "buckets", lambda: plots.memory_plot(pd.DataFrame({
-        "setup": ["buckets"], "shapes": [1], "graphs": [1], "reserved_bytes": [2**20]}))),
+        "setup": ["buckets"], "shapes": [1], "graphs": [1], "reserved_bytes": [2**20], "pool_bytes": [2**20]}))),
 ])
 def test_plots_take_labels_from_the_registry(suite, key, draw, monkeypatch):
     """Regression: plots.py imported bench's label dicts inside functions and kept the memory setups'

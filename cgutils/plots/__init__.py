@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -292,7 +293,12 @@ def methods_bars(methods, title: str = ""):
         for y, v in enumerate(part.median_ms * 1e3):
             ax.annotate(f" {v:.0f}", (v, y), va="center", fontsize=7)
         ax.invert_yaxis()
-        ax.set_xlabel("median per call (µs)")
+        us = part.median_ms * 1e3
+        if us.max() > 10 * us.min():  # eager dwarfs the graphs: on a linear axis their bars are slivers
+            ax.set_xscale("log")
+            ax.set_xlim(left=10 ** math.floor(math.log10(us.min())))  # bars start at a round decade, not at the shortest
+            _plain_log_labels(ax.xaxis)
+        ax.set_xlabel("median per call (µs" + (", log scale)" if us.max() > 10 * us.min() else ")"))
         ax.set_title(w, fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
     if title:
@@ -360,15 +366,20 @@ def coverage_bands(coverages: dict, title: str = ""):
 def memory_plot(mem, title: str = ""):
     """Memory added by CUDA graphs vs the number of sequence lengths served, one line per setup
     (``bench.memory_table``)."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for setup, part in mem.groupby("setup", sort=False):
-        graphs = int(part.graphs.iloc[-1])
-        ax.plot(part.shapes, part.reserved_bytes / 2**20, marker="o",
-                label=f"{SUITES['memory'].label(setup)}: {graphs} graphs")
-    ax.set_xlabel("sequence lengths served (own pools: shortest first; shared pool, buckets: longest first)")
-    ax.set_ylabel("memory reserved since start (MiB)")
-    ax.legend(fontsize=7)
-    _finish(fig, ax, title)
+    # what the pools hold first (it only grows), then everything reserved (it can drop: the notebook says why)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    for ax, col, label in ((axes[0], "pool_bytes", "what the graphs' pools hold (MiB)"),
+                           (axes[1], "reserved_bytes", "memory reserved since start (MiB)")):
+        for setup, part in mem.groupby("setup", sort=False):
+            graphs = int(part.graphs.iloc[-1])
+            ax.plot(part.shapes, part[col] / 2**20, marker="o", label=f"{SUITES['memory'].label(setup)}: {graphs} graphs")
+        ax.set_xlabel("lengths served (own pools captured shortest first, the others longest first)", fontsize=8)
+        ax.set_ylabel(label)
+        ax.tick_params(labelleft=True)
+    axes[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     return fig
 
 
