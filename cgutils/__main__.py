@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import env
 from .bench import DEFAULT_SUITE, SUITES, VARIANTS, Options, Suite
-from .errors import CgutilsError
+from .errors import CgutilsError, InputError
 
 
 def _at_least(minimum: float, kind: type):
@@ -174,6 +174,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     from .trace import load_trace
 
+    if args.islands is not None and not args.coverage:
+        raise InputError("--islands sets how many eager islands --coverage lists: add --coverage")
+    args.islands = 10 if args.islands is None else args.islands
     t = load_trace(args.file)
     ranges = t.by_range(args.range) if args.range else None  # an unknown name fails before any output
     s = t.summary()
@@ -187,7 +190,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
         cov = graph_coverage(t)
         print(f"\n{cov}")
-        if len(cov.islands):
+        if len(cov.islands) and args.islands:
             shown = cov.islands.head(args.islands)
             print(f"eager islands (first {len(shown)} of {len(cov.islands)}; start_us/end_us from the first GPU "
                   f"activity):")
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--range", help="also break down the GPU work launched inside this annotation")
     t.add_argument("--coverage", action="store_true", help="also the share of GPU work that ran in CUDA graph "
                    "launches, and the eager islands between them (cgutils.graph_coverage)")
-    t.add_argument("--islands", type=_count, default=10, help="eager islands listed with --coverage (default 10)")
+    t.add_argument("--islands", type=_count, default=None, help="eager islands listed with --coverage (default 10; "
+                   "0 lists none)")
     t.set_defaults(func=cmd_trace)
     args = parser.parse_args(argv)
     try:

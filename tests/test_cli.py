@@ -179,3 +179,16 @@ def test_output_cut_short_by_the_reader_ends_quietly():
     proc.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
+
+
+def test_trace_islands_needs_coverage_and_zero_lists_none(capsys):
+    """Regression (new-user pass): --islands without --coverage was ignored silently; --islands 0 printed pandas'
+    empty-frame text."""
+    from cgutils import env
+
+    trace = str(env.REPO_ROOT / "results" / "nvidia-h200" / "traces" / "bert_replay.json.gz")
+    assert main(["trace", trace, "--islands", "2"]) == 1
+    assert "add --coverage" in capsys.readouterr().err
+    assert main(["trace", trace, "--coverage", "--islands", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "3 eager islands" in out and "Empty DataFrame" not in out and "eager islands (first" not in out

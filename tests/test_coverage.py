@@ -15,7 +15,11 @@ def test_islands_busy_time_and_context_of_a_synthetic_trace(tmp_path):
              ev("kernel", "orphan", 198.0, 1.0, correlation=99, stream=7, device=0),  # no runtime call: unattributed
              ev("kernel", "lost1", 300.0, 1.0, correlation=98, stream=7, device=0),  # two from one missing call:
              ev("kernel", "lost2", 302.0, 1.0, correlation=98, stream=7, device=0)]  # a replay's, most likely
-    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": kineto_events() + extra})))
+    events = kineto_events()
+    for e in events:  # the replay runs on the stream the eager work used (k3, a branch, on another one)
+        if e.get("name") in ("k1", "k2"):
+            e["args"]["stream"] = 7
+    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": events + extra})))
     s = cov.summary
     assert (s.activities, s.graphed_activities, s.kernels, s.graphed_kernels) == (11, 3, 10, 3)
     assert s.graphed_busy_us == pytest.approx(12.0)  # k1 110-115, k2 115-120, k3 118-122 overlap once
@@ -85,3 +89,43 @@ def test_what_is_not_a_trace_is_refused_and_an_empty_one_says_so(tmp_path):
         cg.graph_coverage({"traceEvents": []})
     cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": [ev("cpu_op", "aten::mm", 0, 5)]})))
     assert str(cov) == "graph coverage: no GPU activity in this trace"
+
+
+def test_work_on_another_stream_neither_ends_nor_splits_an_island(tmp_path):
+    """Regression (HTA's trace_diff trace): NCCL kernels on a communication stream, running while graph kernels ran
+    on the compute stream, were cut into 54 one-activity islands; with two GPUs the islands came out device by
+    device, not in time order, and named neither."""
+    events = [ev("cuda_runtime", "cudaGraphLaunch", 0.0, 2.0, correlation=1)]
+    events += [ev("kernel", f"g{i}", 10.0 + 10 * i, 5.0, correlation=1, stream=7, device=0) for i in range(4)]
+    events += [ev("cuda_runtime", "cudaLaunchKernel", 1.0 + i, 0.5, correlation=10 + i) for i in range(3)]
+    events += [ev("kernel", f"nccl{i}", 12.0 + 10 * i, 6.0, correlation=10 + i, stream=14, device=0) for i in range(3)]
+    events += [ev("cuda_runtime", "cudaLaunchKernel", 5.0, 0.5, correlation=20),
+               ev("kernel", "other_gpu", 11.0, 1.0, correlation=20, stream=7, device=1)]
+    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": events})))
+    isl = cov.islands
+    assert len(isl) == 2 and list(isl.start_us) == sorted(isl.start_us)
+    assert list(zip(isl.device, isl.stream, isl.activities)) == [(1, 7, 1), (0, 14, 3)]
+
+
+@pytest.mark.parametrize("field, value", [("device", [0]), ("pid", {"a": 1}), ("tid", [1])])
+def test_lists_and_objects_as_ids_do_not_raise_pandas_errors(tmp_path, field, value):
+    """Regression (hand-made traces): a list or object as args.device, pid or tid raised 'unhashable type'."""
+    launch, kernel = (ev("cuda_runtime", "cudaLaunchKernel", 0.0, 1.0, correlation=1),
+                      ev("kernel", "k", 5.0, 1.0, correlation=1, stream=7, device=0))
+    if field == "device":
+        kernel["args"]["device"] = value
+    else:
+        launch[field] = value
+    cov = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": [launch, kernel]})))
+    assert cov.summary.activities == 1 and len(cov.islands) == 1
+
+
+def test_zero_duration_and_path_arguments(tmp_path):
+    import pathlib
+
+    path = write(tmp_path, {"traceEvents": [ev("cuda_runtime", "cudaGraphLaunch", 0.0, 1.0, correlation=1),
+                                            ev("kernel", "k", 5.0, 0.0, correlation=1, stream=7, device=0)]})
+    cov = cg.graph_coverage(pathlib.PurePosixPath(path))  # any os.PathLike, as load_trace takes
+    assert "nan" not in str(cov) and "no GPU-busy time" in str(cov)
+    with pytest.raises(cg.InputError, match="empty path"):
+        cg.graph_coverage("")

@@ -12,6 +12,7 @@ Coverage is counted in GPU-busy time (the union of activity intervals, overlaps 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,8 @@ from ..capture.inspect import short_kernel_name
 from ..errors import InputError
 from ..trace import Trace, load_trace, union_length
 
-ISLAND_COLUMNS = ["island", "start_us", "end_us", "activities", "kernels", "gpu_us", "launch_calls", "cpu_op",
-                  "range", "first", "last"]
+ISLAND_COLUMNS = ["island", "device", "stream", "start_us", "end_us", "activities", "kernels", "gpu_us",
+                  "launch_calls", "cpu_op", "range", "first", "last"]
 
 
 @dataclass
@@ -40,7 +41,10 @@ class Coverage:
             work is queued has some), ``unattributed_shared`` (those of them that share their correlation id with
             another activity: one call started several, which only a graph launch does, so likely a replay whose
             ``cudaGraphLaunch`` the trace lacks).
-        islands: one row per eager island, in GPU time order: ``island`` (0-based), ``start_us``/``end_us``
+        islands: one row per eager island, in GPU time order (by start): ``island`` (0-based), ``device`` and
+            ``stream`` (an island is a run of eager activities on one stream, ended by a graphed activity on that
+            stream: work on other streams meanwhile, a collective on a communication stream say, neither ends nor
+            joins it), ``start_us``/``end_us``
             (from the trace's first activity), ``activities``, ``kernels``, ``gpu_us`` (summed durations),
             ``launch_calls`` (distinct calls that started them), ``cpu_op`` (the innermost CPU operator around
             the island's first launch call, on its thread), ``range`` (the innermost CPU annotation around it:
@@ -56,6 +60,10 @@ class Coverage:
         s = self.summary
         if not s.activities:
             return "graph coverage: no GPU activity in this trace"
+        if not s.gpu_busy_us > 0:
+            return (f"graph coverage: no GPU-busy time (all {int(s.activities)} GPU activities have zero duration); "
+                    f"{s.graphed_activity_fraction:.1%} of them ran in {int(s.graph_launches)} graph launch"
+                    f"{'es' if s.graph_launches != 1 else ''}")
         return (f"graph coverage: {s.graphed_time_fraction:.1%} of {s.gpu_busy_us:.0f} µs GPU-busy time and "
                 f"{s.graphed_activity_fraction:.1%} of {int(s.activities)} GPU activities ran in "
                 f"{int(s.graph_launches)} graph launch{'es' if s.graph_launches != 1 else ''}; {int(s.islands)} eager "
@@ -84,13 +92,18 @@ def graph_coverage(trace: Trace | str | Path) -> Coverage:
     Raises:
         TraceFormatError: the file is not a trace (from :func:`cgutils.load_trace`).
     """
-    if not isinstance(trace, (Trace, str, Path)):
+    if not isinstance(trace, (Trace, str, os.PathLike)):
         raise InputError(f"graph_coverage takes a cgutils.Trace or the path of a trace file, got {type(trace).__name__}; "
                          f"load a file with cgutils.load_trace(path)")
-    t = trace if isinstance(trace, Trace) else load_trace(trace)
+    if isinstance(trace, str) and not trace.strip():
+        raise InputError("graph_coverage got an empty path; pass the path of a torch.profiler trace (.json or .json.gz)")
+    t = trace if isinstance(trace, Trace) else load_trace(Path(trace))
     acts = t.device_activity()
-    # islands never cross devices: each device's activities in its own start order
-    acts = acts.assign(device=acts.device.fillna(-1)).sort_values(["device", "ts"], kind="stable").reset_index(drop=True)
+    # islands never cross streams: each stream's activities in their start order
+    acts = acts.assign(device=_hashable(acts.device.fillna(-1)), stream=_hashable(acts.stream.fillna(-1)))
+    # ids compared as text: a trace that writes device 0 here and "0" there must neither raise nor split a stream
+    acts = acts.sort_values(["device", "stream", "ts"], kind="stable",
+                            key=lambda c: c if c.name == "ts" else c.astype(str)).reset_index(drop=True)
     calls = t.launch_calls()
     by_corr = calls.drop_duplicates("correlation").set_index("correlation")
     call_name = acts.correlation.map(by_corr.name)
@@ -98,11 +111,17 @@ def graph_coverage(trace: Trace | str | Path) -> Coverage:
     island = np.full(len(acts), -1)
     eager_idx = np.flatnonzero(~graphed)
     if len(eager_idx):
-        dev = acts.device.to_numpy()
-        # consecutive eager activities of one device form an island; a graphed one between them, or another device,
-        # ends it
-        breaks = np.concatenate([[True], (np.diff(eager_idx) > 1) | (dev[eager_idx][1:] != dev[eager_idx][:-1])])
-        island[eager_idx] = np.cumsum(breaks) - 1
+        lane = pd.MultiIndex.from_frame(acts[["device", "stream"]].astype(str)).codes
+        lane = lane[0].astype(np.int64) * (int(lane[1].max()) + 1) + lane[1]
+        # consecutive eager activities of one stream form an island; a graphed one between them on that stream, or
+        # another stream, ends it
+        breaks = np.concatenate([[True], (np.diff(eager_idx) > 1) | (lane[eager_idx][1:] != lane[eager_idx][:-1])])
+        run = np.cumsum(breaks) - 1
+        starts = acts.ts.to_numpy()[eager_idx][breaks]
+        order = np.argsort(starts, kind="stable")  # numbered in GPU time order, across streams and devices
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        island[eager_idx] = rank[run]
     acts = acts.assign(call=call_name, graphed=graphed, island=island)
 
     def busy(mask: np.ndarray) -> float:  # summed over devices: each device's busy time counts once
@@ -134,7 +153,7 @@ def _islands(t: Trace, acts: pd.DataFrame, by_corr: pd.DataFrame) -> pd.DataFram
     t0 = float(acts.ts.min())
     linked = eager.correlation.where(eager.correlation.isin(by_corr.index))
     g = eager.assign(end=eager.ts + eager.dur, linked=linked, is_kernel=eager.kind == "kernel").groupby("island")
-    out = g.agg(start_us=("ts", "min"), end_us=("end", "max"), activities=("ts", "size"), kernels=("is_kernel", "sum"),
+    out = g.agg(device=("device", "first"), stream=("stream", "first"), start_us=("ts", "min"), end_us=("end", "max"), activities=("ts", "size"), kernels=("is_kernel", "sum"),
                 gpu_us=("dur", "sum"), launch_calls=("linked", "nunique"), first_call=("linked", "first"))
     firsts, lasts = g.head(1).set_index("island"), g.tail(1).set_index("island")
     out["first"] = [_short(n, k) for n, k in zip(firsts.name, firsts.kind, strict=True)]
@@ -142,12 +161,20 @@ def _islands(t: Trace, acts: pd.DataFrame, by_corr: pd.DataFrame) -> pd.DataFram
     out[["start_us", "end_us"]] -= t0
     # the CPU context of each island: spans around its first launch call, on that call's process and thread
     calls = by_corr.reindex(out.first_call.dropna().astype("int64"))
-    queries = pd.DataFrame({"island": out.index[out.first_call.notna()], "pid": calls.pid.to_numpy(),
-                            "tid": calls.tid.to_numpy(), "ts": calls.ts.to_numpy()})
-    out["cpu_op"] = _innermost(t.ops, queries).reindex(out.index).fillna("")
-    out["range"] = _innermost(t.annotations[t.annotations.side == "cpu"], queries).reindex(out.index).fillna("")
+    queries = pd.DataFrame({"island": out.index[out.first_call.notna()], "pid": _hashable(calls.pid).to_numpy(),
+                            "tid": _hashable(calls.tid).to_numpy(), "ts": calls.ts.to_numpy()})
+    ops, notes = t.ops, t.annotations[t.annotations.side == "cpu"]
+    ops, notes = (df.assign(pid=_hashable(df.pid), tid=_hashable(df.tid)) for df in (ops, notes))
+    out["cpu_op"] = _innermost(ops, queries).reindex(out.index).fillna("")
+    out["range"] = _innermost(notes, queries).reindex(out.index).fillna("")
     out = out.reset_index().astype({"activities": int, "kernels": int, "launch_calls": int})
     return out[ISLAND_COLUMNS]
+
+
+def _hashable(values: pd.Series) -> pd.Series:
+    """A trace's ids as written, but lists and objects (which some writers put in ``pid``, ``tid`` or
+    ``args.device``) as their text, so that they can be grouped and sorted instead of raising a pandas error."""
+    return values.map(lambda v: v if v is None or isinstance(v, (int, float, str)) else str(v))
 
 
 def _short(name: str, kind: str) -> str:
