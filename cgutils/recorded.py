@@ -122,7 +122,8 @@ def _banner(prov: dict, digest: str, library: dict | None) -> dict:
     elif changed:
         drift = f"library code changed since: {', '.join(changed)}"
     else:
-        drift = f"the {len(library)} library files it ran are unchanged"
+        drift = ("the library file it ran is unchanged" if len(library) == 1 else
+                 f"the {len(library)} library files it ran are unchanged")
     warn = changed is None or bool(changed)
     text = (f"Recorded output: this machine has no CUDA device, so this cell shows what it printed on "
             f"{env.describe(prov)} ({_when(prov)}); cell hash {digest}; {drift}.")

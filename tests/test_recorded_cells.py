@@ -215,3 +215,14 @@ def test_setup_says_which_versions_the_live_cells_run_on(tmp_results, monkeypatc
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "torch 2.11.0" in out and "(2026-11-29 12:00 UTC)" in out
     assert info["recorded_cells"] > 0 and f"The {info['recorded_cells']} GPU cells" in out
+
+
+def test_a_banner_counts_one_library_file_in_the_singular():
+    """Regression (learner's spot-check): 'the 1 library files it ran are unchanged'."""
+    from cgutils import env
+    from cgutils.libcode import file_hash
+    from cgutils.recorded import _banner
+
+    one = {"cgutils/checks.py": file_hash(env.REPO_ROOT / "cgutils" / "checks.py")}
+    prov = {"gpu": "NVIDIA H200", "date": "2026-11-29T12:00:00+00:00"}
+    assert "the library file it ran is unchanged" in _banner(prov, "abc", one)["text/plain"]
