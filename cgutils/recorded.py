@@ -113,7 +113,7 @@ def _when(prov: dict) -> str:
     return stamp.strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _banner(prov: dict, digest: str, library: dict | None) -> dict:
+def banner(prov: dict, digest: str, library: dict | None) -> dict:
     """The banner above a replayed cell, as display data (plain text and HTML): where and when it was recorded,
     and whether the library code the cell ran has changed since (``library``: path -> hash, as recorded)."""
     changed = changed_files(library) if library is not None else None
@@ -160,7 +160,7 @@ def _replay_recorded(shell, c: _Cell) -> None:
     store = ResultsStore()
     rec = store.load_cell(c.notebook, c.key, expected_hash=c.digest)
     prov = rec.get("provenance", {})
-    publish_display_data(_banner(prov, c.digest, rec.get("library")))
+    publish_display_data(banner(prov, c.digest, rec.get("library")))
     for ev in rec.get("outputs", []):
         if ev["type"] == "stream":
             sys.stdout.write(ev["text"])

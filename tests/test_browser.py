@@ -32,7 +32,7 @@ NOTEBOOK = "03_static_buffers.ipynb"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 INSTALL = "apt-get install -y chromium chromium-driver"
-# cgutils/recorded.py (_banner) shows a recorded cell under an HTML banner that starts "Recorded on <GPU>".
+# cgutils/recorded.py (banner) shows a recorded cell under an HTML banner that starts "Recorded on <GPU>".
 BANNER_TEXT = "Recorded on"
 
 SERVER_START_S = 120

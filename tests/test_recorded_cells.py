@@ -221,8 +221,8 @@ def test_a_banner_counts_one_library_file_in_the_singular():
     """Regression (learner's spot-check): 'the 1 library files it ran are unchanged'."""
     from cgutils import env
     from cgutils.libcode import file_hash
-    from cgutils.recorded import _banner
+    from cgutils.recorded import banner
 
     one = {"cgutils/checks.py": file_hash(env.REPO_ROOT / "cgutils" / "checks.py")}
     prov = {"gpu": "NVIDIA H200", "date": "2026-11-29T12:00:00+00:00"}
-    assert "the library file it ran is unchanged" in _banner(prov, "abc", one)["text/plain"]
+    assert "the library file it ran is unchanged" in banner(prov, "abc", one)["text/plain"]
