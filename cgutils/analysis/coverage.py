@@ -111,8 +111,7 @@ def graph_coverage(trace: Trace | str | Path) -> Coverage:
     island = np.full(len(acts), -1)
     eager_idx = np.flatnonzero(~graphed)
     if len(eager_idx):
-        lane = pd.MultiIndex.from_frame(acts[["device", "stream"]].astype(str)).codes
-        lane = lane[0].astype(np.int64) * (int(lane[1].max()) + 1) + lane[1]
+        lane = acts[["device", "stream"]].astype(str).groupby(["device", "stream"], sort=False).ngroup().to_numpy()
         # consecutive eager activities of one stream form an island; a graphed one between them on that stream, or
         # another stream, ends it
         breaks = np.concatenate([[True], (np.diff(eager_idx) > 1) | (lane[eager_idx][1:] != lane[eager_idx][:-1])])
