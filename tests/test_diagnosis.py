@@ -345,3 +345,30 @@ def test_a_sync_in_a_library_names_the_library_line_and_the_users_line_that_led_
     assert d._sync_point("x", [traceback.FrameSummary(site, 3, "f", line="")], None).caller == ""
     # a conda or system Python keeps site-packages inside the standard library's directory: still a library
     assert not d._skipped(d._STDLIB_DIR + "site-packages/torchvision/x.py") and d._skipped(d._STDLIB_DIR + "os.py")
+
+
+@pytest.mark.parametrize("text, key", [
+    ("CUDA error: operation would have resulted in a merge of two independent capture sequences", "capture_merge"),
+    ("CUDA error: operation not permitted on an event last recorded in a capturing stream", "captured_event"),
+    ("CUDA error: attempt to terminate a thread-local capture sequence from another thread", "wrong_thread"),
+    ("CUDA error: the capture was not initiated in this stream", "unmatched"),
+])
+def test_capture_codes_without_a_rule_are_not_called_a_sync_when_the_rerun_saw_one(monkeypatch, text, key):
+    """Regression (new-user pass): these four CUDA errors matched no rule, so a sync the eager rerun happened
+    to see became the cause ("sync") and the fix told the user to remove it."""
+    import pandas as pd
+
+    import cgutils.capture.graph as graph
+    from cgutils.diagnose import SYNC_COLUMNS
+
+    def one_sync(fn, *a, **k):
+        row = dict.fromkeys(SYNC_COLUMNS, "")
+        row.update(op="Tensor.item", file="m.py", line=7, code="x.item()")
+        df = pd.DataFrame([row], columns=SYNC_COLUMNS)
+        df.attrs.update({"other_threads": [], "unforked_joins": []})
+        return df
+
+    monkeypatch.setattr(graph, "find_sync_points", one_sync)
+    err = graph.capture_failure(RuntimeError(text), lambda: None, "f")
+    assert err.cause == key
+    assert "m.py:7" in str(err)  # the rerun's line still reported, as evidence

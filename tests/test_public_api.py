@@ -75,10 +75,7 @@ def test_module_level_imports_form_no_cycle():
 def test_modules_stay_small(path):
     """capture.py had grown to 1,186 lines (GraphRunner alone ~420) doing capture, validation, argument
     checks and padding; each module now holds one job."""
-    # piecewise.py went 2 lines over with issue 23's method-break message; trimming it stales six recorded cells of
-    # notebook 09, so it waits for issue 24's re-recording (then back to 500)
-    limit = 502 if path.name == "piecewise.py" else 500
-    assert len(path.read_text().splitlines()) <= limit
+    assert len(path.read_text().splitlines()) <= 500
 
 
 OLD_PATHS = {  # module paths users may have imported before the layout step (issue 22), with a name of each

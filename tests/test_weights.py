@@ -104,7 +104,7 @@ def test_load_in_place_checks_before_copying_anything():
     before = m[0].weight.clone()
     sd = _new_weights(m)
     bad = dict(sd, **{"2.weight": torch.randn(3, 8)})
-    with pytest.raises(InputError, match=r"2\.weight: \(3, 8\) float32, the captured tensor is \(4, 8\)"):
+    with pytest.raises(InputError, match=r"2\.weight: shape \(3, 8\), the module's tensor is \(4, 8\)"):
         load_in_place(m, bad)
     with pytest.raises(InputError, match="float16"):
         load_in_place(m, dict(sd, **{"0.weight": sd["0.weight"].half()}))
@@ -117,6 +117,72 @@ def test_load_in_place_checks_before_copying_anything():
     assert torch.equal(m[0].weight, before)
     assert load_in_place(m, {"0.weight": sd["0.weight"]}, strict=False) == 1
     assert torch.equal(m[0].weight, sd["0.weight"])
+
+
+def test_load_in_place_refuses_meta_and_sparse_values_before_copying_anything():
+    """Regression (new-user pass): a meta value raised only when its turn came, after earlier tensors were copied."""
+    m = _model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    sd = _new_weights(m)
+    for bad in (torch.empty(4, 8, device="meta"), torch.eye(4, 8).to_sparse()):
+        with pytest.raises(InputError, match="2.weight: a (meta|sparse_coo) tensor") as info:
+            load_in_place(m, dict(sd, **{"2.weight": bad}))
+        assert "dense" in str(info.value) and "to(dtype)" not in str(info.value)
+        assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_load_in_place_checks_its_arguments_and_tailors_the_hint():
+    m = _model()
+    sd = _new_weights(m)
+    with pytest.raises(InputError, match="keys must be parameter names"):
+        load_in_place(m, {0: torch.ones(1)})
+    with pytest.raises(InputError, match="strict must be True or False"):
+        load_in_place(m, sd, strict="yes")
+    with pytest.raises(InputError, match="missing") as info:
+        load_in_place(m, {"0.weight": sd["0.weight"]})
+    assert "strict=False" in str(info.value) and "to(dtype)" not in str(info.value)
+    prefixed = {f"module.{k}": v for k, v in sd.items()}
+    for strict in (True, False):  # none of the names matches: refused with strict=False too
+        with pytest.raises(InputError, match=r"prefix 'module\.'.*strip it"):
+            load_in_place(m, prefixed, strict=strict)
+    assert load_in_place(m, dict(sd, nope=torch.ones(1)), strict=False) == len(sd)  # skipped, as torch does
+    m.double()
+    with pytest.raises(InputError, match="0.weight: float32, the module's tensor is float64"):
+        load_in_place(m, sd)
+
+
+def test_load_in_place_hands_extra_state_to_the_module():
+    class WithExtra(nn.Linear):
+        def get_extra_state(self):
+            return {"step": self.step}
+
+        def set_extra_state(self, state):
+            self.step = state["step"]
+
+    m = nn.Sequential(WithExtra(2, 2))
+    m[0].step = 1
+    sd = m.state_dict()
+    assert "0._extra_state" in sd
+    m[0].step = 5
+    for strict in (True, False):
+        assert load_in_place(m, sd, strict=strict) == 2
+        assert m[0].step == 1
+
+
+def test_a_swap_tensors_conversion_is_seen_and_not_refused():
+    """Regression (new-user pass): the watch's weak references to the tensors made torch.utils.swap_tensors
+    refuse every conversion under set_swap_module_params_on_conversion(True)."""
+    m = _model()
+    watch = WeightWatch(m)
+    watch.arm()
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert m[0].weight.dtype == torch.float64
+    assert "0.weight" in watch.replaced()
 
 
 def test_tied_weights_load_under_both_names():

@@ -306,10 +306,8 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                         if kind == "while":
                             _launch("cg_loop_next", b, handle, cond, *loop)
                     except BaseException:
-                        # ended, not emptied: destroying a body's nodes (a nested conditional node among them)
-                        # while an enclosing body was still capturing crashed the process in that body's
-                        # cuStreamEndCapture (SIGSEGV, H200, a body raising two levels down). The enclosing
-                        # capture is invalidated below, so the half-made graph never instantiates anyway.
+                        # ended, not emptied (a body's nodes are the driver's while an enclosing body captures);
+                        # the outermost capture is invalidated below, so the half-made graph never instantiates
                         driver.cuStreamEndCapture(b)
                         raise
                     err, *_ = driver.cuStreamEndCapture(b)
@@ -320,7 +318,12 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                 finally:
                     _unroute(device, pool)
     except BaseException:
-        if added:  # a graph holding a half-made node must not instantiate: fail the capture instead
+        # A graph holding a half-made node must not instantiate: fail the capture instead, but only the
+        # caller's own capture (depth 0). Inside an enclosing body the stream is a capture-to-graph of that
+        # body; invalidating it and then ending it crashed the process in the enclosing body's
+        # cuStreamEndCapture (SIGSEGV, H200, a body raising two levels down). Those captures end cleanly
+        # as the error travels up, and the outermost call invalidates the one capture that instantiates.
+        if added and getattr(_local, "depth", 0) == 0:
             driver.cuStreamSynchronize(s)
             invalidated = True
         raise

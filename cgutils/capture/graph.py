@@ -118,7 +118,9 @@ class _Ending:
 
 
 # CUDA error codes that name their own cause: evidence from the eager rerun adds lines to them, never a cause
-_SPECIFIC = {"unjoined", "unforked_stream", "default_stream", "allocation", "rng"}
+# codes that name their own cause: the eager rerun adds lines to them, never another cause
+_SPECIFIC = {"unjoined", "unforked_stream", "default_stream", "allocation", "rng", "capture_merge", "captured_event",
+             "wrong_thread", "unmatched"}
 
 
 def capture_failure(exc: Exception, fn: Callable[[], Any], what: str) -> CaptureError:

@@ -1,29 +1,28 @@
 """Piecewise capture: graph what can be graphed, run the modules that cannot be captured eagerly between.
 
-A single ``.item()``, data-dependent shape or syncing library call anywhere in a forward makes the whole
-capture fail. vLLM and SGLang split their models at such points by hand (attention outside the graph,
-"piecewise" graphs); ``torch.compile`` splits at graph breaks. Here the split is at module calls, so
-it works on any ``nn.Module`` without a compiler:
+A single ``.item()``, data-dependent shape or syncing library call anywhere in a forward makes the whole capture fail.
+vLLM and SGLang split their models at such points by hand (attention outside the graph, "piecewise" graphs);
+``torch.compile`` splits at graph breaks. Here the split is at module calls, so it works on any ``nn.Module`` without
+a compiler:
 
-- **Which modules break** (:class:`BreakPlan`): the modules the caller names, or (``"auto"``) the
-  innermost module running when capture failed on a call a graph cannot hold (a sync): that module
-  becomes a break and capture starts again, until it succeeds. Found while capturing, not eagerly:
-  code that syncs only when not capturing (transformers skips its attention-mask check while
-  ``torch.cuda.is_current_stream_capturing()``) breaks nothing.
-- **Capture** (:class:`PieceCapture`): capture runs from the start of the function up to the first call
-  of a break module; that capture ends, the module runs eagerly, its outputs are copied into static
-  buffers that the next piece reads, and capture starts again; and so on to the end. All pieces capture
-  into one memory pool, in order, so later pieces reuse blocks freed by earlier ones (safe because the
-  pieces always replay in the same order: PyTorch docs, "Graph memory management").
-- **Replay** (:class:`PiecewiseGraph.replay`): piece, break, piece, ... A break calls its module on the
-  same argument tensors it was captured with (the previous piece rewrites them in place) and copies
-  the result into its static buffers. A break whose output no longer fits its static buffers raises
-  ``CaptureError(cause="break_shape")`` at that point of the replay: the pieces before it have run, so a
-  function with state (a KV cache, a counter) has moved part of a step and should be reset by the caller.
+- **Which modules break** (:class:`BreakPlan`): the modules the caller names, or (``"auto"``) the innermost module
+  running when capture failed on a call a graph cannot hold (a sync): that module becomes a break and capture starts
+  again, until it succeeds. Found while capturing, not eagerly: code that syncs only when not capturing (transformers
+  skips its attention-mask check while ``torch.cuda.is_current_stream_capturing()``) breaks nothing.
+- **Capture** (:class:`PieceCapture`): capture runs from the start of the function up to the first call of a break
+  module; that capture ends, the module runs eagerly, its outputs are copied into static buffers that the next piece
+  reads, and capture starts again; and so on to the end. All pieces capture into one memory pool, in order, so later
+  pieces reuse blocks freed by earlier ones (safe because the pieces always replay in the same order: PyTorch docs,
+  "Graph memory management").
+- **Replay** (:class:`PiecewiseGraph.replay`): piece, break, piece, ... A break calls its module on the same argument
+  tensors it was captured with (the previous piece rewrites them in place) and copies the result into its static
+  buffers. A break whose output no longer fits its static buffers raises ``CaptureError(cause="break_shape")`` at that
+  point of the replay: the pieces before it have run, so a function with state (a KV cache, a counter) has moved part
+  of a step and should be reset by the caller.
 
-During capture, each piece is replayed as soon as it is captured, so that the break after it runs
-eagerly on real values (nothing executes while a stream captures; a break that looks at its inputs,
-as a sync does, would otherwise see garbage).
+During capture, each piece is replayed as soon as it is captured, so that the break after it runs eagerly on real
+values (nothing executes while a stream captures; a break that looks at its inputs, as a sync does, would otherwise
+see garbage).
 """
 
 from __future__ import annotations
@@ -332,11 +331,10 @@ class PieceCapture:
         finally:
             for h in handles:
                 h.remove()
-            # the caller's stream must not run ahead of work queued on the capture stream (the eager breaks
-            # and the pieces replayed during capture). While a capture is still open (an error inside a piece)
-            # that wait would itself be captured, and from the legacy stream it is an error that hid the
-            # model's own ("would make the legacy stream depend on a capturing blocking stream", H200): then
-            # abandon() waits once the capture is ended.
+            # the caller's stream must not run ahead of work queued on the capture stream (the eager breaks and the
+            # pieces replayed during capture). While a capture is still open (an error inside a piece) that wait
+            # would itself be captured, and from the legacy stream it is an error that hid the model's own ("would
+            # make the legacy stream depend on a capturing blocking stream", H200): abandon() waits after the end.
             if self.current is None:
                 torch.cuda.current_stream().wait_stream(self.stream)
         return out

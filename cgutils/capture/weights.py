@@ -93,7 +93,9 @@ class WeightWatch:
         self.captured, self._refs = {}, []
         for name, t in _tensors(self.module).items():
             storage = t.untyped_storage()
-            self.captured[name] = (weakref.ref(t), weakref.ref(storage), t.data_ptr(), t.dtype, t.device, t.shape)
+            # id(), not a weak reference to the tensor: torch.utils.swap_tensors (what conversions use under
+            # torch.__future__.set_swap_module_params_on_conversion(True)) refuses tensors with weak references
+            self.captured[name] = (id(t), weakref.ref(storage), t.data_ptr(), t.dtype, t.device, t.shape)
             self._refs.append(weakref.ref(storage, _bump))
         self.seen = _events[0]
 
@@ -107,7 +109,7 @@ class WeightWatch:
         for name, (tensor, storage, ptr, dtype, device, shape) in self.captured.items():
             t = now.get(name)
             # a storage that died was replaced, even if the new one has its address
-            if t is not None and (t is not tensor() or storage() is None or t.data_ptr() != ptr
+            if t is not None and (id(t) != tensor or storage() is None or t.data_ptr() != ptr
                                   or (t.dtype, t.device, t.shape) != (dtype, device, shape)):
                 changed.append(name)
         if not changed:
@@ -115,44 +117,96 @@ class WeightWatch:
         return changed
 
 
+def _split_prefix(unexpected: list[str], own: Mapping[str, Any]) -> str | None:
+    """A prefix whose removal maps every unexpected key onto the module's (DataParallel's ``module.``,
+    torch.compile's ``_orig_mod.``), or None."""
+    first = unexpected[0]
+    for cut in range(1, len(first)):
+        prefix = first[:cut]
+        if first[cut - 1] == "." and all(k.startswith(prefix) and k[cut:] in own for k in unexpected):
+            return prefix
+    return None
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 @torch.no_grad()
 def load_in_place(module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True) -> int:
     """Copy ``state_dict``'s tensors into ``module``'s existing parameters and buffers, so that graphs
     captured from it read the new values on their next replay (nothing is captured again).
 
-    Unlike ``module.load_state_dict(sd)``, which casts silently, a dtype that differs from the captured
-    tensor's is refused: the graph's kernels were chosen for that dtype.
+    Unlike ``module.load_state_dict(sd)``, which casts silently, a dtype that differs from the module's
+    tensor is refused: the graph's kernels were chosen for that dtype. Extra state (``*._extra_state``
+    entries, from ``get_extra_state``) is handed to the submodule's ``set_extra_state``, as
+    ``load_state_dict`` does.
 
     Args:
         module: the captured module.
-        state_dict: name -> tensor, as from ``model.state_dict()`` (any device: copied to the tensor's device).
-        strict: every parameter and buffer of ``module`` must be given, and nothing else.
+        state_dict: name -> tensor, as from ``model.state_dict()`` (any device: copied to the tensor's device;
+            dense tensors only).
+        strict: (bool) every parameter and buffer of ``module`` must be given, and nothing else. With
+            ``False`` names the module lacks are skipped and a subset may be given, but a mapping none of
+            whose names the module has is still refused (nothing would be loaded).
 
     Returns:
         the number of tensors copied.
 
     Raises:
-        InputError: a name ``module`` lacks or (``strict``) one it has but was not given, a value that is
-            not a tensor, or a shape or dtype other than the existing tensor's; nothing is copied then.
+        InputError: a key that is not a string, a name ``module`` lacks (``strict``) or one it has but was not
+            given, a value that is not a dense tensor (meta, sparse), or a shape or dtype other than the
+            module's tensor; nothing is copied then.
     """
     if not isinstance(state_dict, Mapping):
         raise InputError(f"state_dict must be a mapping of names to tensors (model.state_dict()), got "
                          f"{type(state_dict).__name__}")
+    if not isinstance(strict, bool):
+        raise InputError(f"strict must be True or False, got {strict!r}")
+    not_str = [k for k in state_dict if not isinstance(k, str)]
+    if not_str:
+        raise InputError(f"state_dict keys must be parameter names (str), got {not_str[0]!r} "
+                         f"({type(not_str[0]).__name__}); use model.state_dict() for the names")
     own = _tensors(module)
-    required = [k for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)]
-    unexpected = [k for k in state_dict if k not in own]
-    missing = [k for k in required if k not in state_dict] if strict else []
-    wrong = [f"{k}: {type(v).__name__}, not a tensor" for k, v in state_dict.items()
-             if k in own and not isinstance(v, torch.Tensor)]
-    wrong += [f"{k}: {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}, the captured tensor is "
-              f"{tuple(own[k].shape)} {str(own[k].dtype).replace('torch.', '')}" for k, v in state_dict.items()
-              if k in own and isinstance(v, torch.Tensor) and (v.shape, v.dtype) != (own[k].shape, own[k].dtype)]
+    full = module.state_dict(keep_vars=True)
+    extra = {k for k, v in full.items() if not isinstance(v, torch.Tensor)}  # get_extra_state() entries
+    unexpected = [k for k in state_dict if k not in own and k not in extra]
+    missing = [k for k in full if k not in extra and k not in state_dict] if strict else []
+    wrong, hints = [], []
+    for k, v in state_dict.items():
+        if k not in own:
+            continue
+        if not isinstance(v, torch.Tensor):
+            wrong.append(f"{k}: {type(v).__name__}, not a tensor")
+        elif v.layout != torch.strided or v.is_meta:
+            wrong.append(f"{k}: a {'meta' if v.is_meta else str(v.layout).replace('torch.', '')} tensor, which "
+                         f"holds no dense values to copy")
+            hints.append("load real (dense) tensors, e.g. from a checkpoint file, not a meta or sparse state")
+        elif v.shape != own[k].shape:
+            wrong.append(f"{k}: shape {tuple(v.shape)}, the module's tensor is {tuple(own[k].shape)}")
+            hints.append("the graphs were captured for the module's shapes: a model of another size needs a "
+                         "runner of its own")
+        elif v.dtype != own[k].dtype:
+            wrong.append(f"{k}: {_short(v.dtype)}, the module's tensor is {_short(own[k].dtype)}")
+            hints.append("convert them first (sd = {k: v.to(dtype) for k, v in sd.items()})")
+    if unexpected and not strict and len(unexpected) < len(state_dict):
+        unexpected = []  # strict=False skips names the module lacks, as load_state_dict does
+    if unexpected:
+        prefix = _split_prefix(unexpected, own)
+        hints.append(f"the names carry a prefix {prefix!r} (a wrapped model's state_dict): strip it, "
+                     f"{{k.removeprefix({prefix!r}): v for k, v in sd.items()}}" if prefix else
+                     "compare the names with model.state_dict().keys()")
+    if missing:
+        hints.append("pass strict=False to load a subset")
     if unexpected or missing or wrong:
-        lines = ([f"not in the module: {', '.join(unexpected[:5])}"] if unexpected else []) + (
-            [f"missing (strict=True): {', '.join(missing[:5])}"] if missing else []) + wrong[:5]
+        lines = ([f"not in the module: {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else "")]
+                 if unexpected else []) + ([f"missing (strict=True): {', '.join(missing[:5])}" +
+                                            (" ..." if len(missing) > 5 else "")] if missing else []) + wrong[:5]
         raise InputError("cannot load these weights in place, nothing was copied:\n  " + "\n  ".join(lines) +
-                         "\nConvert them first (sd = {k: v.to(dtype) ...}), or pass strict=False to load a subset")
+                         "\n" + "; ".join(dict.fromkeys(hints)))
     names = [k for k in state_dict if k in own]
     if names:
         torch._foreach_copy_([own[k] for k in names], [state_dict[k] for k in names])
+    for k in (k for k in state_dict if k in extra):
+        module.get_submodule(k.rpartition(".")[0]).set_extra_state(state_dict[k])
     return len(names)
