@@ -256,6 +256,9 @@ class SyncRecorder:
         self.unjoined_forks: list[SyncPoint] = []
         self._forks: dict[int, SyncPoint] = {}  # forked stream -> its fork, until joined back
         self._captured: set[int] = set()  # the starting stream and the streams forked from it
+        self._start: set[int] = set()  # the starting stream: it joins, it is never forked
+        self._recorded_on: dict[int, tuple[Any, int]] = {}  # id(event) -> (event, the stream it was recorded on)
+        self._in_wait_stream = False
         self._thread = threading.get_ident()
         self._user_files = _user_file_set(user_files)
         self._tracker = _OpTracker()
@@ -302,42 +305,65 @@ class SyncRecorder:
 
         torch.cuda.synchronize = synchronize
         self._orig_wait = torch.cuda.Stream.wait_stream
+        self._orig_record, self._orig_event_wait = torch.cuda.Event.record, torch.cuda.Event.wait
 
         def wait_stream(stream_self, other):
+            # wait_stream records an event on `other` and waits on it: one fork or join, named as the user wrote it
+            if threading.get_ident() != self._thread:
+                return self._orig_wait(stream_self, other)
+            self._wait(stream_self.cuda_stream, other.cuda_stream)
+            self._in_wait_stream = True
+            try:
+                return self._orig_wait(stream_self, other)
+            finally:
+                self._in_wait_stream = False
+
+        def record(event, stream=None):
             if threading.get_ident() == self._thread:
-                self._wait(stream_self.cuda_stream, other.cuda_stream)
-            return self._orig_wait(stream_self, other)
+                on = stream if stream is not None else torch.cuda.current_stream()
+                self._recorded_on[id(event)] = (event, on.cuda_stream)  # the event kept: its id stays its own
+            return self._orig_record(event, stream)
+
+        def event_wait(event, stream=None):
+            if threading.get_ident() == self._thread and not self._in_wait_stream and id(event) in self._recorded_on:
+                waiter = stream if stream is not None else torch.cuda.current_stream()
+                self._wait(waiter.cuda_stream, self._recorded_on[id(event)][1], "Event.wait")
+            return self._orig_event_wait(event, stream)
 
         torch.cuda.Stream.wait_stream = wait_stream
+        torch.cuda.Event.record, torch.cuda.Event.wait = record, event_wait
         if torch.cuda.is_available():
             self._old_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
             with contextlib.suppress(RuntimeError, AssertionError):  # the tests' stand-in for a CUDA machine
-                self._captured.add(torch.cuda.current_stream().cuda_stream)  # the stream a capture would run on
+                self._start.add(torch.cuda.current_stream().cuda_stream)  # the stream a capture would run on
+                self._captured |= self._start
         self._tracker.__enter__()
         return self
 
-    def _wait(self, waiter: int, waited: int) -> None:
-        """One ``waiter.wait_stream(waited)`` as a capture would see it: waiting on a stream of the capture
-        forks (or joins) the waiter into it; a stream of the capture waiting on one outside it is a join
-        CUDA refuses (an unforked side stream)."""
+    def _wait(self, waiter: int, waited: int, op: str = "Stream.wait_stream") -> None:
+        """One ``waiter.wait_stream(waited)`` (or a wait on an event recorded on ``waited``) as a capture would
+        see it: waiting on a stream of the capture forks the waiter into it, or joins ``waited`` back if it is a
+        forked stream not yet joined; a side stream that was joined and waits on the capture again is forked
+        again (its later work must be joined once more); a stream of the capture waiting on one outside it is
+        a join CUDA refuses (an unforked side stream)."""
         if waiter == waited:
             return
         if waited in self._captured:
-            if waiter not in self._captured:
+            if waited in self._forks:
+                self._forks.pop(waited)  # joined back
+            elif waiter not in self._forks and waiter not in self._start:
                 self._captured.add(waiter)
-                point = self._point()
+                point = self._point(op)
                 if point is not None:
                     self._forks[waiter] = point
-            else:
-                self._forks.pop(waited, None)  # joined back (a join of a stream that waited on us first)
         elif waiter in self._captured:
-            point = self._point()
+            point = self._point(op)
             if point is not None:
                 self.unforked_joins.append(point)
 
-    def _point(self) -> SyncPoint | None:
-        return _sync_point("Stream.wait_stream", traceback.extract_stack(), self._user_files)  # cgutils frames skipped
+    def _point(self, op: str) -> SyncPoint | None:
+        return _sync_point(op, traceback.extract_stack(), self._user_files)  # cgutils frames skipped
 
     def __exit__(self, *exc) -> None:
         self._tracker.__exit__(*exc)
@@ -345,6 +371,8 @@ class SyncRecorder:
             torch.cuda.set_sync_debug_mode(self._old_mode)
         torch.cuda.synchronize = self._orig_sync
         torch.cuda.Stream.wait_stream = self._orig_wait
+        torch.cuda.Event.record, torch.cuda.Event.wait = self._orig_record, self._orig_event_wait
+        self._recorded_on.clear()
         self._warnings.__exit__(*exc)
         self.unjoined_forks = list(self._forks.values())
 

@@ -19,6 +19,7 @@ import torch
 
 from .capture import capture_graph
 from .checks import require_cuda
+from .errors import InputError
 from .timing import measure
 
 _FIX = "the notebooks show the recorded result instead"
@@ -75,6 +76,29 @@ def fit_per_launch(df) -> dict[str, float]:
     r_slope, r_icpt = np.polyfit(df.n, df.replay_us, 1, w=1 / df.replay_us)
     return {"eager_slope_us": float(e_slope), "eager_intercept_us": float(e_icpt),
             "replay_slope_us": float(r_slope), "replay_intercept_us": float(r_icpt)}
+
+
+def launch_cost(df) -> dict[str, float]:
+    """One eager launch as the suite quotes it: the median eager µs per launch over the chain lengths that
+    agree (64 <= n < the longest), with their range. The fitted slope (:func:`fit_per_launch`) goes through
+    every length, and on the H200 the longest chain ran faster per launch than the rest (notebook 01 prints
+    both), so one line would be bent by it.
+
+    Args:
+        df: :func:`chain_sweep`'s frame (columns ``n`` and ``eager_us_per_op``, µs).
+
+    Returns:
+        ``median_us``, ``min_us``, ``max_us`` (µs per launch) and ``n_min``, ``n_max`` (the chain lengths used).
+
+    Raises:
+        InputError: no chain length in that window (the sweep needs lengths from 64 and a longer one).
+    """
+    per = df.set_index("n").eager_us_per_op
+    mid = per[(per.index >= 64) & (per.index < per.index.max())]
+    if mid.empty:
+        raise InputError(f"launch_cost needs chain lengths >= 64 below the longest; the sweep has {list(per.index)}")
+    return {"median_us": float(mid.median()), "min_us": float(mid.min()), "max_us": float(mid.max()),
+            "n_min": int(mid.index.min()), "n_max": int(mid.index.max())}
 
 
 def size_sweep(sizes: Iterable[int] = tuple(int(10 ** e) for e in np.arange(0, 8.01, 0.5)),

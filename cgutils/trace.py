@@ -39,7 +39,13 @@ _CATEGORY = {
     "user_annotation": "annotations", "gpu_user_annotation": "annotations",
 }
 
-GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch", "hipGraphLaunch"})
+
+
+def is_graph_launch(names: pd.Series) -> pd.Series:
+    """Which runtime/driver call names launch a graph (bool Series, same index): ``cudaGraphLaunch``,
+    ``cuGraphLaunch``, ``hipGraphLaunch`` and their per-thread default-stream forms (``cudaGraphLaunch_ptsz``,
+    ``hipGraphLaunch_spt``). The one rule for every count of graph launches in cgutils."""
+    return names.astype(str).str.contains("GraphLaunch", regex=False)
 
 _COLUMNS = {
     "ops": ["name", "ts", "dur", "pid", "tid", "external_id"],
@@ -165,7 +171,7 @@ class Trace:
             "wall_us": wall, "gpu_busy_us": busy,
             "gpu_busy_fraction": busy / wall if wall > 0 else float("nan"), "gpu_idle_fraction": idle,
             "kernels": len(self.kernels), "gpu_activities": len(acts), "launches": n_launch,
-            "graph_launches": int(launched.name.isin(GRAPH_LAUNCHES).sum()),
+            "graph_launches": int(is_graph_launch(launched.name).sum()),
             "kernels_per_launch": len(self.kernels) / n_launch if n_launch else float("nan"),
             "activities_per_launch": len(acts) / n_launch if n_launch else float("nan"),
             "median_launch_cpu_us": float(launched.dur.median()) if n_launch else float("nan"),
@@ -278,6 +284,28 @@ def _num(v: Any, nonneg: bool = False) -> float:
     return x
 
 
+def _shared_correlation(rows: list[tuple], skipped: dict[str, int]) -> np.ndarray | None:
+    """Which runtime-table rows (name, ts, dur, pid, tid, correlation, api) to unlink because another call
+    claims their correlation id, or ``None``. A runtime call and the driver call it made under the same id
+    (``cudaGraphLaunch`` over ``cuGraphLaunch``) are one launch: the runtime call keeps the link, so the
+    graph's kernels are not counted as eager work. Any other sharing leaves no call to trust: all unlinked."""
+    calls = pd.DataFrame({"id": pd.to_numeric(pd.Series([r[5] for r in rows]), errors="coerce").fillna(-1),
+                          "runtime": [r[6] == "runtime" for r in rows]})
+    shared = calls.id.duplicated(keep=False) & (calls.id >= 0)
+    if not shared.any():
+        return None
+    runtimes = calls[shared].groupby("id").runtime.transform("sum")
+    kept = pd.Series(False, index=calls.index)
+    kept[shared] = (runtimes == 1) & calls.runtime[shared]
+    wrapped = shared & ~kept & calls.id.isin(calls.id[kept])
+    if wrapped.any():
+        skipped["driver calls under a runtime call's correlation id (the runtime call keeps the link)"] = int(
+            wrapped.sum())
+    if (lost := shared & ~kept & ~wrapped).any():
+        skipped["runtime calls sharing a correlation id (not linked)"] = int(lost.sum())
+    return (shared & ~kept).to_numpy()
+
+
 def load_trace(path: str | Path) -> Trace:
     """Load a Chrome/Kineto trace (``.json`` or ``.json.gz``, as torch.profiler exports) into a :class:`Trace`.
 
@@ -364,11 +392,9 @@ def load_trace(path: str | Path) -> Trace:
     frames = {}
     for k, cols in _COLUMNS.items():
         if k == "runtime" and rows[k]:
-            corr = pd.to_numeric(pd.Series([r[5] for r in rows[k]]), errors="coerce").fillna(-1)
-            dup = corr.duplicated(keep=False) & (corr >= 0)
-            if dup.any():  # two calls claiming one id: neither can be linked safely
-                skipped["runtime calls sharing a correlation id (not linked)"] = int(dup.sum())
-                rows[k] = [r[:5] + (-1,) + r[6:] if d else r for r, d in zip(rows[k], dup)]
+            unlink = _shared_correlation(rows[k], skipped)
+            if unlink is not None:
+                rows[k] = [r[:5] + (-1,) + r[6:] if d else r for r, d in zip(rows[k], unlink)]
         df = pd.DataFrame(rows[k], columns=cols)
         df = df.astype({"ts": "float64", "dur": "float64"})  # also for empty tables: numeric groupbys stay vectorised
         if "correlation" in df:  # -1: no id; such events are never linked

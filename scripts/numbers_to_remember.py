@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cgutils.overhead import fit_per_launch
+from cgutils.overhead import fit_per_launch, launch_cost
 from cgutils.store import ResultsStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +34,10 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
     """(quantity, value, notebook, source) for each number."""
     out = []
     chain, src = _source(results, "overhead_chain")
-    fit = fit_per_launch(chain)
-    # the longest chain runs faster per launch than the rest (notebook 01 prints it): quote the lengths that agree
-    per = chain.set_index("n").eager_us_per_op
-    mid = per[(per.index >= 64) & (per.index < per.index.max())]
-    out += [(f"host + GPU cost of one eager launch of a tiny kernel (median over chains of {mid.index.min()}-"
-             f"{mid.index.max()}; range)", f"{mid.median():.1f} µs ({mid.min():.1f}-{mid.max():.1f})", "01", src),
+    fit, one = fit_per_launch(chain), launch_cost(chain)
+    out += [(f"host + GPU cost of one eager launch of a tiny kernel (median over chains of {one['n_min']}-"
+             f"{one['n_max']}; range)", f"{one['median_us']:.1f} µs ({one['min_us']:.1f}-{one['max_us']:.1f})", "01",
+             src),
             ("cost of one more node in a replayed graph (same chains, captured)", f"{fit['replay_slope_us']:.2f} µs", "01", src),
             ("latency of one replay of a short graph, timed alone (the fit's intercept; back to back, replays "
              "overlap and cost less: notebook 10)", f"{fit['replay_intercept_us']:.1f} µs", "01", src)]

@@ -274,17 +274,18 @@ def test_speedup_table_sets_up_every_variant_then_times_them_interleaved(monkeyp
 
     df = speedup.speedup_table(["w"], ["fp16"], progress=False, trials=3, budget_s=0.01)
     assert log[:3] == ["eager", "graph_runner", "raw_graph"]  # set-up, in order
-    # compile_ro in a second phase, after the hand-captured graphs were timed (and freed): eager set up again
-    # as its baseline, the dynamo reset, then compile; nothing of the first phase runs after the reset
+    # the compiled variants in a second phase, after the hand-captured graphs were timed (and freed): the
+    # dynamo reset once, eager set up again as their baseline, then both compiled variants; nothing of the
+    # first phase runs after the reset
     assert log.count("reset") == 1
     reset = log.index("reset")
-    assert log[reset - 1:reset + 2] == ["eager", "reset", "compile_ro"]
+    assert log[reset:reset + 4] == ["reset", "eager", "compile_ro", "graph_runner_compiled"]
     assert not {"graph_runner", "raw_graph"} & set(log[reset:])
     assert list(df.columns) == speedup.COLUMNS
     r = df.set_index("variant")
     assert r.loc["raw_graph", "status"] == "error: RuntimeError: replay broke"
     assert r.loc["compile_ro", "status"] == "error: RuntimeError: compile broke"
-    assert list(r.loc[["eager", "graph_runner"], "status"]) == ["ok", "ok"]
+    assert list(r.loc[["eager", "graph_runner", "graph_runner_compiled"], "status"]) == ["ok", "ok", "ok"]
     assert list(r.loc[["eager", "graph_runner"], "trials"]) == [3, 3]
     e, g = r.loc["eager"], r.loc["graph_runner"]
     assert (e.speedup, e.speedup_p10, e.speedup_p90) == (1.0, 1.0, 1.0)
@@ -292,7 +293,8 @@ def test_speedup_table_sets_up_every_variant_then_times_them_interleaved(monkeyp
     # eager estimated at 5 ms, budget 0.01 s: 10 timed iterations (the floor) over 3 trials -> 4 per trial
     assert e.n == g.n == 12
     assert counts["graph_runner"] == 1 + 5 + 3 * (1 + 4)  # set-up, warm-up, trials
-    assert counts["eager"] == counts["graph_runner"] + 1  # + its set-up call in phase 2 (compile then failed)
+    # phase 2 sets eager up and times it again, as the baseline of graph_runner_compiled (compile_ro failed)
+    assert counts["eager"] == 2 * counts["graph_runner"] == 2 * counts["graph_runner_compiled"]
     assert counts["raw_graph"] == 21  # failed in the last trial: no partial trials in its row
     assert pd.isna(r.loc["raw_graph", "median_ms"])
 
@@ -348,4 +350,28 @@ def test_compile_phase_starts_after_the_other_graphs_are_freed(monkeypatch):
     assert alive_at_compile == []
     assert set(df.status) == {"ok"}
     assert sorted(pd.concat(log).groupby("phase").variant.unique().map(sorted).map(tuple)) == [
-        ("compile_ro", "eager"), ("eager", "graph_runner", "raw_graph")]
+        ("compile_ro", "eager", "graph_runner_compiled"), ("eager", "graph_runner", "raw_graph")]
+
+
+def test_graph_runner_compiled_is_timed_beside_reduce_overhead_and_gets_a_column():
+    """The speedup table had no GraphRunner(compile=True) variant, so its README table made reduce-overhead look
+    ahead of GraphRunner (Inductor's kernels against eager's); it is set up and timed in the compiled phase."""
+    from cgutils.bench import markdown_table
+    from cgutils.bench.speedup import VARIANTS, phases
+
+    assert "graph_runner_compiled" in VARIANTS
+    assert phases(list(VARIANTS)) == (["eager", "graph_runner", "raw_graph"],
+                                      ["eager", "compile_ro", "graph_runner_compiled"])
+    rows = _speedup_rows(True)
+    assert "GraphRunner(compile=True) ms" not in markdown_table(rows, {"gpu": "Fake GPU"})  # older recordings
+    extra = rows.iloc[[1]].assign(variant="graph_runner_compiled", median_ms=0.41)
+    cells = _markdown_cells(markdown_table(pd.concat([rows, extra]), {"gpu": "Fake GPU"}), "w")
+    assert float(cells["GraphRunner(compile=True) ms"]) == 0.41
+
+
+def test_the_summary_carries_the_gpu_time_of_one_eager_iteration():
+    """The replay's floor (the GPU's own work) was measured by gpu_activity and dropped; tables without it load."""
+    from cgutils.bench import summary_table
+
+    assert "gpu_time_ms" not in summary_table(_speedup_rows(True))
+    assert summary_table(_speedup_rows(True).assign(gpu_time_ms=0.35)).gpu_time_ms.iloc[0] == 0.35

@@ -318,11 +318,68 @@ def test_the_recorder_tells_forks_joins_and_unforked_joins_apart():
     assert [p.line for p in rec.unjoined_forks] == [_line_of("rec._wait(3, 1)")]
 
 
-def _line_of(code):
+def test_a_side_stream_joined_and_forked_again_must_be_joined_again():
+    """A second fork after a join (side.wait_stream(main) again) was taken for a join of the main stream, so the
+    side stream's later work, never joined back, went unreported."""
+    from cgutils.diagnose import SyncRecorder
+
+    rec = SyncRecorder()
+    rec._start, rec._captured = {1}, {1}
+    rec._wait(2, 1)  # fork
+    rec._wait(1, 2)  # join
+    rec._wait(2, 1)  # fork again
+    rec.unjoined_forks = list(rec._forks.values())
+    assert [p.line for p in rec.unjoined_forks] == [_line_of_in(
+        test_a_side_stream_joined_and_forked_again_must_be_joined_again, "rec._wait(2, 1)  # fork again")]
+
+
+def test_event_forks_and_joins_count_like_wait_stream(monkeypatch):
+    """`ev.record(main); side.wait_event(ev)` forks as `side.wait_stream(main)` does (it was not seen: only
+    wait_stream was watched), and wait_stream's own event is not counted a second time."""
+    import types
+
+    import torch
+
+    from cgutils.diagnose import SyncRecorder
+
+    class FakeEvent:
+        pass
+
+    def fake_wait_stream(waiter, other):  # torch's: record an event on `other`, wait on it
+        e = FakeEvent()
+        torch.cuda.Event.record(e, other)
+        torch.cuda.Event.wait(e, waiter)
+
+    monkeypatch.setattr(torch.cuda.Event, "record", lambda self, stream=None: None)
+    monkeypatch.setattr(torch.cuda.Event, "wait", lambda self, stream=None: None)
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", fake_wait_stream)
+    main, side, other, third = (types.SimpleNamespace(cuda_stream=i) for i in (1, 2, 3, 4))
+    e1, e2, e3 = FakeEvent(), FakeEvent(), FakeEvent()
+    with SyncRecorder() as rec:
+        rec._start, rec._captured = {1}, {1}
+        torch.cuda.Event.record(e1, main)
+        torch.cuda.Event.wait(e1, side)  # fork by event
+        torch.cuda.Event.record(e2, side)
+        torch.cuda.Event.wait(e2, main)  # join by event
+        torch.cuda.Event.record(e3, main)
+        torch.cuda.Event.wait(e3, other)  # fork by event, never joined
+        torch.cuda.Stream.wait_stream(third, main)  # fork by wait_stream
+        torch.cuda.Stream.wait_stream(main, third)  # join by wait_stream
+    here = test_event_forks_and_joins_count_like_wait_stream
+    assert [(p.op, p.line) for p in rec.unjoined_forks] == [
+        ("Event.wait", _line_of_in(here, "torch.cuda.Event.wait(e3, other)"))]
+    assert rec.unforked_joins == []
+
+
+def _line_of_in(fn, code):
     import inspect
 
-    lines, start = inspect.getsourcelines(test_the_recorder_tells_forks_joins_and_unforked_joins_apart)
+    lines, start = inspect.getsourcelines(fn)
     return start + next(i for i, line in enumerate(lines) if code in line)
+
+
+def _line_of(code):
+    return _line_of_in(test_the_recorder_tells_forks_joins_and_unforked_joins_apart, code)
 
 
 def test_a_sync_in_a_library_names_the_library_line_and_the_users_line_that_led_there():

@@ -420,10 +420,9 @@ def test_every_nesting_equals_the_python_loop_in_a_process_of_its_own(case):
         assert "raised CaptureError" in run.stdout, run.stdout
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (issue 23): the CaptureError's first line is torch's 'operation failed due to a previous error during "
-    "capture' (capture_end on the invalidated capture), the body's own error only in __context__ (H200, 2c7e250)"))
 def test_a_body_that_raises_two_levels_down_is_named_in_the_error():
+    """GraphRunner's error named torch's 'operation failed due to a previous error during capture' (capture_end
+    on the invalidated capture), the body's own error only in __context__ (H200, 2c7e250)."""
     import pathlib
     import subprocess
     import sys

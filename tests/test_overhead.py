@@ -76,3 +76,16 @@ def test_runtime_calls_eager_vs_replay():
     replay = overhead.runtime_calls(graph.replay)
     assert sum(v for k, v in eager.items() if k.startswith(("cudaLaunchKernel", "cuLaunchKernel"))) == 5
     assert replay.get("cudaGraphLaunch", 0) + replay.get("cuGraphLaunch", 0) == 1
+
+
+def test_one_launch_is_the_median_over_the_chain_lengths_that_agree():
+    """Notebook 01 and the numbers to remember each computed this median by hand (a copy-paste twin)."""
+    import pandas as pd
+
+    from cgutils.errors import InputError
+    from cgutils.overhead import launch_cost
+
+    chain = pd.DataFrame({"n": [1, 16, 64, 256, 1024, 4096], "eager_us_per_op": [30.0, 12.0, 9.5, 9.8, 10.4, 7.0]})
+    assert launch_cost(chain) == {"median_us": 9.8, "min_us": 9.5, "max_us": 10.4, "n_min": 64, "n_max": 1024}
+    with pytest.raises(InputError, match="chain lengths >= 64"):
+        launch_cost(chain[chain.n < 64])

@@ -59,8 +59,15 @@ def test_recorded_outcomes_are_not_claimed_in_fix_texts():
     baked_value, which validation from the same generator state no longer has to report."""
     assert "accepted" not in PITFALLS["default_stream"].fix
     assert PITFALLS["default_stream"].kind == "documented"
-    assert PITFALLS["dropout_train"].expect == {"warned": True}
+    assert PITFALLS["dropout_train"].expect == {"warned": True, "differs_across_replays": True}
     assert "baked_value" not in PITFALLS["dropout_train"].fix
+
+
+def test_entries_that_do_not_break_a_graph_are_not_called_silent():
+    """dropout_train and sampling were kind 'silent' (a wrong replay without an error), though their own rows
+    show replays drawing new values as eager does; they are 'safe', and the dropout row now measures it."""
+    assert PITFALLS["dropout_train"].kind == PITFALLS["sampling"].kind == "safe"
+    assert PITFALLS["sampling"].expect["differs_across_replays"] is True
 
 
 def test_entries_are_built_with_keyword_arguments():

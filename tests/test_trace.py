@@ -152,6 +152,29 @@ def test_missing_and_shared_correlation_ids_are_never_joined(tmp_path):
     assert t.skipped == {"runtime calls sharing a correlation id (not linked)": 2}
 
 
+def test_a_graph_launch_written_as_runtime_and_driver_call_stays_linked(tmp_path):
+    """A cudaGraphLaunch and the cuGraphLaunch it made, both under one correlation id, were both unlinked: the
+    graph's kernels counted as eager work. The runtime call keeps the link; the driver call is counted aside."""
+    events = [ev("cuda_runtime", "cudaGraphLaunch", 0, 9, correlation=4),
+              ev("cuda_driver", "cuGraphLaunch", 2, 5, correlation=4),
+              ev("kernel", "k1", 20, 3, correlation=4), ev("kernel", "k2", 24, 3, correlation=4)]
+    t = load_trace(write(tmp_path, {"traceEvents": events}))
+    stats = t.launch_stats()
+    assert stats.call.tolist() == ["cudaGraphLaunch"] and stats.activities.tolist() == [2]
+    assert t.summary().graph_launches == 1
+    assert cg.graph_coverage(t).summary.graphed_activity_fraction == 1.0
+    assert list(t.skipped.values()) == [1] and "runtime call keeps the link" in next(iter(t.skipped))
+
+
+def test_per_thread_stream_graph_launches_count_in_the_summary(tmp_path):
+    """cudaGraphLaunch_ptsz and hipGraphLaunch_spt counted 0 graph launches in the summary (an exact-name set)
+    and 2 in the coverage check (a substring rule): one rule now serves both."""
+    events = [ev("cuda_runtime", "cudaGraphLaunch_ptsz", 0, 9, correlation=1), ev("kernel", "k", 20, 3, correlation=1),
+              ev("cuda_runtime", "hipGraphLaunch_spt", 40, 9, correlation=2), ev("kernel", "k", 60, 3, correlation=2)]
+    t = load_trace(write(tmp_path, {"traceEvents": events}))
+    assert t.summary().graph_launches == 2 == cg.graph_coverage(t).summary.graph_launches
+
+
 def test_any_call_that_starts_gpu_work_is_a_launch(tmp_path):
     """Regression: calls outside a fixed name list (cudaMemcpy2DAsync, cuMemcpyHtoDAsync_v2) were not launches."""
     events = [ev("cuda_runtime", "cudaMemcpy2DAsync", 0, 5, correlation=1), ev("gpu_memcpy", "Memcpy2D", 10, 2, correlation=1),

@@ -66,6 +66,8 @@ def test_validate_replay_names_the_static_buffer_bug(bug, cause):
     with pytest.raises(cg.CaptureError) as err:
         validate_replay(_fake_graph(bug), lambda x: 2 * x, inputs)
     assert err.value.cause == cause and err.value.max_rel_error > 0
+    # a baked value's message names the tool that finds where it is (it named only the kinds of value)
+    assert ("cgutils.find_divergence" in str(err.value)) == (cause == "baked_value")
 
 
 def test_validate_replay_passes_a_correct_replay_and_needs_two_inputs():
@@ -112,7 +114,7 @@ def test_validate_replays_compare_with_eager(simulated, monkeypatch):
     monkeypatch.setattr(graph, "replay", corrupted)
     with pytest.raises(cg.CaptureError, match="next call captures a new one") as err:
         runner(torch.ones(2))
-    assert err.value.cause == "baked_value"
+    assert err.value.cause == "baked_value" and "cgutils.find_divergence" in str(err.value)
     # The stale graph is dropped (a retry replayed it unchecked and returned [3, 3]): a new capture.
     assert torch.equal(runner(torch.ones(2)), torch.full((2,), 2.0)) and len(simulated.graphs) == 2
 
@@ -134,3 +136,11 @@ def test_a_replay_check_that_meets_other_shapes_is_a_capture_error(simulated):
         runner(torch.ones(4))
     assert err.value.cause == "baked_value"
 
+
+
+def test_a_first_replay_that_differs_names_find_divergence():
+    from cgutils.capture.compare import check_first_replay
+
+    with pytest.raises(cg.CaptureError, match=r"cgutils\.find_divergence") as err:
+        check_first_replay(torch.ones(3), torch.zeros(3) + 2, rtol=1e-3)
+    assert err.value.cause == "baked_value"

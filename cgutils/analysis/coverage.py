@@ -22,7 +22,7 @@ import pandas as pd
 
 from ..capture.inspect import short_kernel_name
 from ..errors import InputError
-from ..trace import Trace, load_trace, union_length
+from ..trace import Trace, is_graph_launch, load_trace, union_length
 
 ISLAND_COLUMNS = ["island", "device", "stream", "start_us", "end_us", "activities", "kernels", "gpu_us",
                   "launch_calls", "cpu_op", "range", "first", "last"]
@@ -71,12 +71,6 @@ class Coverage:
                 + (f"; {int(s.unattributed_shared)} more activities share correlation ids that no single launch "
                    f"call in the trace carries (likely graph launches whose call is missing)"
                    if s.unattributed_shared else ""))
-
-
-def is_graph_launch(names: pd.Series) -> pd.Series:
-    """Which runtime/driver call names launch a graph: ``cudaGraphLaunch``, ``cuGraphLaunch``, ``hipGraphLaunch``
-    and their per-thread default-stream forms (``cudaGraphLaunch_ptsz``, ``hipGraphLaunch_spt``)."""
-    return names.astype(str).str.contains("GraphLaunch", regex=False)
 
 
 def graph_coverage(trace: Trace | str | Path) -> Coverage:

@@ -10,7 +10,9 @@ each speedup is the median of per-trial ratios. Variants of the step that one ti
 * ``raw_graph``: a hand-written ``torch.cuda.graph`` capture per input shape; a call is ``copy_``
   into the static input and ``replay()``: the floor that any wrapper adds overhead to.
 * ``compile_ro``: ``torch.compile(mode="reduce-overhead")``, Inductor kernels replayed through CUDA
-  graph trees. Not measured where shapes change every step (GPT-2 full-recompute decoding).
+  graph trees.
+* ``graph_runner_compiled``: ``GraphRunner(step, compile=True)``: the same Inductor kernels (``mode="default"``)
+  captured and replayed by GraphRunner; set up and timed in the same phase and trials as ``compile_ro``.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from ..timing import interleaved_trials, measure, summarize_trials
 from ..workloads import WORKLOADS, Built, get_workload
 from .common import Options, error_status, iters_for
 
-VARIANTS = ("eager", "graph_runner", "raw_graph", "compile_ro")
+VARIANTS = ("eager", "graph_runner", "raw_graph", "compile_ro", "graph_runner_compiled")
 VARIANT_LABELS = {"eager": "eager", "graph_runner": "cgutils.GraphRunner",
-                  "raw_graph": "raw torch.cuda.graph", "compile_ro": 'torch.compile("reduce-overhead")'}
+                  "raw_graph": "raw torch.cuda.graph", "compile_ro": 'torch.compile("reduce-overhead")',
+                  "graph_runner_compiled": "GraphRunner(compile=True)"}
+COMPILED = ("compile_ro", "graph_runner_compiled")
+"""The variants that run Inductor's kernels: set up and timed in the second phase, side by side."""
 
 
 class RawGraphs:
@@ -91,7 +96,7 @@ TRIALS = Options.trials
 """Default number of interleaved trials per workload and dtype (the CLI's ``--trials``)."""
 
 COLUMNS = ["workload", "dtype", "variant", "median_ms", "p10_ms", "p90_ms", "n", "trials", "setup_s", "speedup",
-           "speedup_p10", "speedup_p90", "gpu_ops", "forwards", "article_eager_ms", "article_graph_ms", "status",
+           "speedup_p10", "speedup_p90", "gpu_ops", "gpu_time_ms", "forwards", "article_eager_ms", "article_graph_ms", "status",
            "gpu"]
 """Columns of :func:`speedup_table`, in order."""
 
@@ -109,8 +114,9 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, tria
     inputs = built.inputs(0)
     with torch.no_grad():
         eager_ms = measure(lambda: built.iterate(built.step, inputs), warmup=3, iters=3).median_ms
-        gpu_ops, _ = gpu_activity(lambda: built.iterate(built.step, inputs))
-    common = {"workload": wl.name, "dtype": dtype, "gpu_ops": gpu_ops, "forwards": built.steps_per_iter,
+        gpu_ops, gpu_us = gpu_activity(lambda: built.iterate(built.step, inputs))
+    common = {"workload": wl.name, "dtype": dtype, "gpu_ops": gpu_ops, "gpu_time_ms": gpu_us / 1e3,
+              "forwards": built.steps_per_iter,
               "article_eager_ms": wl.article_ms[0] if wl.article_ms else None,
               "article_graph_ms": wl.article_ms[1] if wl.article_ms else None,
               "gpu": torch.cuda.get_device_name(0)}
@@ -119,14 +125,19 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, tria
     # trees are set up. With all of them alive together, and a GraphRunner of another BERT freed before,
     # freeing them ended in "CUDA error: unspecified launch failure" on the H200 (torch 2.11, commit 2207457);
     # each pair alone ran clean. Eager runs in both phases, so every speedup is paired within its own trials.
-    compiled = [v for v in variants if v == "compile_ro"]
-    phases = ([v for v in variants if v not in compiled], ["eager"] * ("eager" in variants) + compiled)
-    for number, phase in enumerate(phases):
+    for number, phase in enumerate(phases(variants)):
         if phase:
             _measure_phase(built, inputs, phase, rows, eager_ms, budget_s, trials, bar, trial_log, number)
         gc.collect()  # drop this phase's graphs before the next phase captures
     bar.update(len(variants))
     return list(rows.values())
+
+
+def phases(variants: list[str]) -> tuple[list[str], list[str]]:
+    """The two timing phases of one workload and dtype: the hand-captured graphs (and eager), then the
+    :data:`COMPILED` variants with eager again as their paired baseline."""
+    compiled = [v for v in variants if v in COMPILED]
+    return [v for v in variants if v not in compiled], ["eager"] * ("eager" in variants) + compiled
 
 
 def _measure_phase(built: Built, inputs: tuple, variants: list[str], rows: dict, eager_ms: float, budget_s: float,
@@ -137,12 +148,12 @@ def _measure_phase(built: Built, inputs: tuple, variants: list[str], rows: dict,
     runs: dict[str, Callable[[], Any]] = {}
     # Set-up, one variant after the other: capture or compilation happens here, never while timing.
     # (compile_ro records its CUDA graph tree on a later call: in interleaved_trials' untimed warm-up.)
+    # The phase starts from a clean compile cache, reset once: a reset between the compiled variants would
+    # throw away the first one's compiled code, and it would recompile inside the trials' warm-up.
+    if any(v in COMPILED for v in variants):
+        torch._dynamo.reset()
     for variant in variants:
         bar.set_postfix_str(f"{name} {dtype} {variant} set-up")
-        if variant == "compile_ro":
-            # each compiled variant starts from a clean cache; resetting here, before any variant is
-            # timed, cannot throw away what another variant needs during the interleaved trials
-            torch._dynamo.reset()
         try:
             step = make_step(variant, built)
             if isinstance(step, str):
@@ -185,9 +196,9 @@ def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] 
     Per workload and dtype, every variant is set up first (its first call: capture or compilation,
     timed as ``setup_s``); then they are timed together in ``trials`` interleaved trials
     (:func:`cgutils.timing.interleaved_trials`: 5 untimed calls per variant first, then per trial one
-    untimed and the timed calls of each variant, in a shuffled order). ``compile_ro`` is set up and timed
-    in a second phase, with eager again as its paired baseline, after the other variants' graphs are
-    freed (see ``_measure_workload``). A variant that fails in set-up or in a trial gets an
+    untimed and the timed calls of each variant, in a shuffled order). ``compile_ro`` and
+    ``graph_runner_compiled`` are set up and timed together in a second phase, with eager again as their
+    paired baseline, after the other variants' graphs are freed (see ``_measure_workload``). A variant that fails in set-up or in a trial gets an
     ``error: ...`` row; the others are still measured.
 
     Args:
@@ -201,8 +212,8 @@ def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] 
         trials: interleaved trials per workload and dtype (>= 1).
         trial_log: if given, one frame per workload and dtype is appended to it: the per-trial rows of
             :func:`cgutils.timing.interleaved_trials` with ``workload``, ``dtype`` and ``phase`` columns
-            added (how much each variant moved from trial to trial; ``compile_ro`` is timed in phase 1
-            against its own eager baseline, after the other graphs are freed).
+            added (how much each variant moved from trial to trial; the compiled variants are timed in
+            phase 1 against their own eager baseline, after the other graphs are freed).
 
     Returns:
         ``pandas.DataFrame`` with columns ``workload, dtype, variant``, ``median_ms`` (median across
@@ -211,7 +222,8 @@ def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] 
         trials), ``trials``, ``setup_s`` (first call: capture or compilation, s), ``speedup`` (median
         across trials of eager's median / this variant's median in the same trial),
         ``speedup_p10``, ``speedup_p90`` (10th / 90th percentile across trials of those ratios),
-        ``gpu_ops`` (GPU activities per iteration, eager), ``forwards`` (step calls per iteration),
+        ``gpu_ops`` (GPU activities per iteration, eager), ``gpu_time_ms`` (their summed GPU time, ms, from
+        torch.profiler: the GPU's own work, which no replay removes), ``forwards`` (step calls per iteration),
         ``article_eager_ms``, ``article_graph_ms`` (source article, A100), ``status`` (``ok``,
         ``skipped: ...`` or ``error: ...``), ``gpu``. Without an ``eager`` variant the speedups are NaN.
 
@@ -262,7 +274,7 @@ def eager_reference(table, workload: str, dtype: str) -> dict:
             "trials": float(r.get("trials", float("nan")))}
 
 
-GRAPH_VARIANTS = ("graph_runner", "raw_graph", "compile_ro")
+GRAPH_VARIANTS = ("graph_runner", "raw_graph", "compile_ro", "graph_runner_compiled")
 """The variants whose speedup over eager the summary shows."""
 
 
@@ -281,7 +293,8 @@ def summary_table(df) -> Any:
     per-trial medians, ms); ``<v>_speedup`` is the paired speedup (median across trials of eager / ``v``
     in the same trial) followed by ``<v>_speedup_p10`` and ``<v>_speedup_p90``; a last column
     ``trials`` gives the fewest trials of the row's variants. For an older table, ``<v>_speedup`` is
-    eager's median / ``v``'s median and there are no range columns.
+    eager's median / ``v``'s median and there are no range columns. ``gpu_time_ms`` (one eager iteration's
+    summed GPU time) is carried over where the table has it.
     """
     import pandas as pd
 
@@ -317,6 +330,8 @@ def summary_table(df) -> Any:
     out["article_a100_graph_ms"] = art["article_graph_ms"]
     out["article_speedup"] = art["article_eager_ms"] / art["article_graph_ms"]
     out["gpu_ops_per_forward"] = art["gpu_ops"] / art["forwards"]
+    if "gpu_time_ms" in art:  # tables recorded before 2026-12-02 lack it
+        out["gpu_time_ms"] = art["gpu_time_ms"]
     if ranged:
         out["trials"] = ok.groupby(index)["trials"].min()
     return out.reset_index()
@@ -357,6 +372,8 @@ def markdown_table(df, prov: dict) -> str:
             "speedup": x(r.get("graph_runner_speedup", float("nan"))) + spread(r, "graph_runner_speedup"),
             "raw graph ms": ms(r.get("raw_graph", float("nan"))),
             "compile (reduce-overhead) ms": ms(r.get("compile_ro", float("nan"))),
+            **({"GraphRunner(compile=True) ms": ms(r.get("graph_runner_compiled", float("nan")))}
+               if "graph_runner_compiled" in s else {}),
             "article A100": f"{ms(r['article_a100_eager_ms'])} → {ms(r['article_a100_graph_ms'])} ms "
                             f"({x(r['article_speedup'])})",
         })
@@ -385,7 +402,8 @@ def report(frames: Mapping[str, Any], source: str, prov: dict, markdown: bool) -
         print(markdown_table(df, prov))
         return
     if has_trial_ranges(df):
-        print("Median latency per iteration in ms (eager, graph_runner, raw_graph, compile_ro): the median "
+        print("Median latency per iteration in ms (eager, graph_runner, raw_graph, compile_ro, "
+              "graph_runner_compiled where measured): the median "
               "across interleaved trials of each trial's median, *_p10/*_p90 its range across trials; speedups "
               "are paired: the median across trials of eager / variant in the same trial; article_* are the "
               "source article's A100 figures.")

@@ -11,6 +11,9 @@ import torch
 from ..errors import CaptureError, InputError
 from .nest import is_plain, same_value, tree_leaves
 
+# the next step for a baked value, in every message that diagnoses one
+LOCATE = ("cgutils.find_divergence(fn, *args) names the module whose replay goes wrong and the value that changed "
+          "(it replays and compares module by module)")
 
 def default_rtol(dtypes: set[torch.dtype]) -> float:
     """Tolerated relative error for outputs of these dtypes: 1e-2 with fp16/bf16, else 1e-3."""
@@ -148,7 +151,7 @@ def validate_replay(replay: Callable[..., Any], eager: Callable[..., Any], input
         cause, why = "baked_value", (
             "the replay follows the inputs but computes something else than eager: a value was baked in "
             "at capture (a Python number or module attribute, a 0-dim CPU tensor, a branch on CPU-side "
-            "state). Pass such values as CUDA tensors")
+            f"state). Pass such values as CUDA tensors; {LOCATE}")
     i = bad[0]
     raise CaptureError(f"replay differs from eager on input {i} of {len(inputs)} (max relative error "
                        f"{errors[i]:.3g} > rtol {tol:.3g}); {len(bad)} of {len(inputs)} inputs wrong. "
@@ -172,7 +175,8 @@ def check_first_replay(replayed: Any, expected: Any, rtol: float) -> float:
             f"(a value read on the CPU during capture, a Python branch), or state the function updates in "
             f"place where GraphRunner cannot see it (a tensor inside an object it does not inspect, so warm-up "
             f"calls advanced it). Keep control flow on the GPU (torch.where), keep state in module buffers or "
-            f"arguments, or raise rtol if the difference is numerical noise.", max_rel_error=rel, cause="baked_value")
+            f"arguments, or raise rtol if the difference is numerical noise. {LOCATE}.", max_rel_error=rel,
+            cause="baked_value")
     return rel
 
 
@@ -194,8 +198,8 @@ def check_later_replay(replayed: Any, expected: Any, rtol: float, what: str) -> 
             f"although replay matched eager at capture. Likely cause: a Python value was baked into "
             f"the graph at capture and has changed since (a module attribute or Python number read "
             f"in forward, a 0-dim CPU tensor used as a scalar, a Python branch on CPU-side state). "
-            f"Pass such values as CUDA tensors. The graph is dropped: the next call captures a new "
-            f"one with the values as they are then.", max_rel_error=rel, cause="baked_value")
+            f"Pass such values as CUDA tensors; {LOCATE}. The graph is dropped: the next call captures a "
+            f"new one with the values as they are then.", max_rel_error=rel, cause="baked_value")
 
 
 def check_padding(replayed: Any, expected: Any, rtol: float) -> None:

@@ -43,7 +43,7 @@ import torch
 
 from ..checks import check_int
 from ..diagnose import eager_only_sync
-from ..errors import CgutilsError, DependencyError, InputError
+from ..errors import CaptureError, CgutilsError, DependencyError, InputError
 from .bodysync import RefuseSyncs
 from .cudadriver import check as _call
 from .cudadriver import cuda_driver
@@ -305,11 +305,18 @@ def _conditional(kind: str, cond: torch.Tensor, bodies: list[Callable[[], Any]],
                         _run_body(body, kind == "while")
                         if kind == "while":
                             _launch("cg_loop_next", b, handle, cond, *loop)
-                    except BaseException:
+                    except BaseException as exc:
                         # ended, not emptied (a body's nodes are the driver's while an enclosing body captures);
                         # the outermost capture is invalidated below, so the half-made graph never instantiates
                         driver.cuStreamEndCapture(b)
-                        raise
+                        if isinstance(exc, CgutilsError) or not isinstance(exc, Exception):
+                            raise
+                        # named here: the caller's capture_end then fails on the invalidated capture with
+                        # torch's own "previous error during capture", which would hide the body's error
+                        raise CaptureError(
+                            f"the body of a {kind.upper()} node raised {type(exc).__name__} while it was captured: "
+                            f"{exc}. Fix the body (it must run under capture as it runs eagerly); the "
+                            f"capture is abandoned", original=exc, cause="body_raised") from exc
                     err, *_ = driver.cuStreamEndCapture(b)
                     if err != driver.CUresult.CUDA_SUCCESS:
                         raise CgutilsError(f"capturing the body of a {kind.upper()} node failed ({err.name}): the "

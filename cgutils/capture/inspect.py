@@ -31,6 +31,7 @@ from torch import nn
 
 from ..checks import check_index
 from ..errors import CgutilsError, InputError
+from ..trace import is_graph_launch
 from .cudadriver import check as _call
 from .cudadriver import cuda_driver
 
@@ -427,7 +428,7 @@ def node_times(table: pd.DataFrame, trace: Any, *, launch: int = -1) -> pd.DataF
             f"with the launch of piece k (pieces launch in order, so piece k of the last call is launch "
             f"k - {table.piece.nunique()})")
     links = trace.links()
-    graph_links = links[links.call.str.contains("GraphLaunch", regex=False)]
+    graph_links = links[is_graph_launch(links.call)]
     correlations = list(dict.fromkeys(graph_links.correlation))
     if not correlations:
         raise InputError(f"{getattr(trace, 'path', 'the trace')} holds no cudaGraphLaunch with GPU work; profile "

@@ -89,12 +89,12 @@ _ONE_LINE = [  # one offending line each, or one setting
             fix="make it a CUDA tensor (register_buffer) so replay reads its current value",
             good=r.ScaledFixed, check_fix=steps.module_fix_follows_changes,
             expect={"exception": "CaptureError", "cause": "baked_value"}),
-    Pitfall(key="dropout_train", title="dropout in training mode (RNG)", kind="silent", bad=r.DropoutNet,
+    Pitfall(key="dropout_train", title="dropout in training mode (RNG)", kind="safe", bad=r.DropoutNet,
             diagnose=steps.training_mode_check,
             fix="model.eval() for inference; GraphRunner warns about a module in training mode. The mask is not "
                 "frozen: dropout draws from the default CUDA generator, which the graph registers, so each replay "
                 "draws a new one",
-            expect={"warned": True}),
+            expect={"warned": True, "differs_across_replays": True}),
     Pitfall(key="new_shape", title="a new input shape: one more graph and its memory", kind="cost",
             bad=r.new_shape_fn, diagnose=steps.new_shapes_check,
             fix="bucket the dynamic dim: GraphRunner(fn, buckets={1: (128, 256, 512)}) pads up and shares one pool",
@@ -163,7 +163,7 @@ _REAL_USE = [  # situations of real use: threads, state, failed captures, other 
             bad=r.unforked_stream, diagnose=steps.through_runner,
             fix="fork before using the side stream: side.wait_stream(torch.cuda.current_stream()), then join back",
             good=r.forked_stream, check_fix=steps.graphed_fix_matches_eager, expect={"exception": "CaptureError", "cause": "unforked_stream"}),
-    Pitfall(key="sampling", title="sampling on purpose (torch.multinomial)", kind="silent", bad=r.Sampler,
+    Pitfall(key="sampling", title="sampling on purpose (torch.multinomial)", kind="safe", bad=r.Sampler,
             diagnose=steps.sampling_check,
             fix="nothing to fix: the default CUDA generator is registered with the graph, so each replay draws new "
                 "samples, and GraphRunner validates from the same generator state (cgutils used to report "

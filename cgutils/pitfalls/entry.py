@@ -25,7 +25,7 @@ from ..diagnose import explain
 MARK = "# <- pitfall"
 
 
-KINDS = ("loud", "silent", "cost", "documented")
+KINDS = ("loud", "silent", "cost", "documented", "safe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +36,8 @@ class Pitfall:
         key: short name, e.g. ``item``.
         title: one line for the table.
         kind: one of :data:`KINDS`: ``loud`` (capture raises), ``silent`` (wrong replay, no error),
-            ``cost`` (memory or time) or ``documented`` (a documented rule whose outcome depends on the versions).
+            ``cost`` (memory or time), ``documented`` (a documented rule whose outcome depends on the versions) or
+            ``safe`` (feared to break a graph, and does not: the row shows what happens instead).
         bad: the reproducer, its offending line marked ``# <- pitfall``: a function of one CUDA tensor ``x``
             (float32, shape (4, 8)), or what ``diagnose`` builds the case from (a module class, a function
             that returns a graphed callable).

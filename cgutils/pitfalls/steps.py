@@ -84,17 +84,21 @@ def baked_value_check(p: Pitfall, x: torch.Tensor) -> dict:
 
 
 def training_mode_check(p: Pitfall, x: torch.Tensor) -> dict:
-    """GraphRunner of the module ``bad()`` left in training mode: the warning (``warned``) and the outcome."""
+    """GraphRunner of the module ``bad()`` left in training mode: the warning (``warned``) and whether two replays
+    on one input differ (``differs_across_replays``: a new dropout mask each replay, not one frozen at capture)."""
     model = p.bad()  # nn.Module starts in training mode
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runner = GraphRunner(model)
     warned = any("training mode" in str(w.message) for w in caught)
     try:
-        runner(x)
+        first, second = runner(x), runner(x)  # two replays on the same input: one mask, or a new one each
     except CgutilsError as exc:
         return observed_row(exc, warned=warned)
-    return observed_row(None, message="no error", warned=warned)
+    differs = not torch.equal(first, second)
+    return observed_row(None, message="no error; " + ("two replays on the same input drew different masks" if differs
+                                                      else "two replays on the same input gave the same output"),
+                        warned=warned, differs_across_replays=differs)
 
 
 def new_shapes_check(p: Pitfall, x: torch.Tensor) -> dict:

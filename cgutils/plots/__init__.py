@@ -27,6 +27,7 @@ SCRATCH_FIGURES = env.REPO_ROOT / "build" / "figures"
 """Where other runs (``make run``, the tests, a notebook in JupyterLab) write, so they never touch
 the committed files."""
 COLORS = {"eager": "#7f7f7f", "graph_runner": "#76b900", "raw_graph": "#1f77b4", "compile_ro": "#ff7f0e",
+          "graph_runner_compiled": "#3d6b00",
           "article": "#000000"}
 
 
@@ -89,7 +90,8 @@ def speedup_bars(summary, title: str = ""):
 
     Where the summary has ``<variant>_speedup_p10`` and ``_p90`` (a table measured in interleaved
     trials), each bar carries an error bar from the 10th to the 90th percentile across trials."""
-    variants = [v for v in ("graph_runner", "raw_graph", "compile_ro") if f"{v}_speedup" in summary]
+    variants = [v for v in ("graph_runner", "raw_graph", "compile_ro", "graph_runner_compiled")
+                if f"{v}_speedup" in summary]
     fig, panels = _dtype_panels(summary)
     for ax, dtype, part, xs in panels:
         for v, at, width in _bar_slots(variants, xs):
@@ -120,7 +122,8 @@ def _speedup_range(part, v: str):
 
 def latency_bars(summary, title: str = ""):
     """Median latency (ms, log scale) per workload and variant, one panel per dtype."""
-    variants = [v for v in ("eager", "graph_runner", "raw_graph", "compile_ro") if v in summary]
+    variants = [v for v in ("eager", "graph_runner", "raw_graph", "compile_ro", "graph_runner_compiled")
+                if v in summary]
     fig, panels = _dtype_panels(summary)
     for ax, dtype, part, xs in panels:
         for v, at, width in _bar_slots(variants, xs):
