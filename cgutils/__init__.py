@@ -31,6 +31,7 @@ from .capture import (
     PiecewiseGraph,
     RunnerStats,
     capture_graph,
+    default_rtol,
     graph_node_types,
     if_node,
     max_rel_error,
@@ -71,7 +72,7 @@ from .workloads import WORKLOADS, get_workload
 __all__ = [
     # capture and replay
     "GraphRunner", "RunnerStats", "GraphInfo", "CudaBackend", "capture_graph", "pool_reserved_bytes",
-    "reset_rng_after_failed_capture", "graph_node_types", "max_rel_error", "validate_replay",
+    "reset_rng_after_failed_capture", "graph_node_types", "max_rel_error", "default_rtol", "validate_replay",
     # inside the graph, piecewise capture
     "node_table", "node_counts", "node_times", "time_by_module", "to_dot", "short_kernel_name", "NodeAttribution",
     "PiecewiseGraph",

@@ -19,7 +19,7 @@
 """
 
 from .buckets import Buckets, pick_bucket
-from .compare import max_rel_error, validate_replay
+from .compare import default_rtol, max_rel_error, validate_replay
 from .control import if_node, while_node
 from .graph import CudaBackend, capture_graph, pool_reserved_bytes, reset_rng_after_failed_capture
 from .inspect import (
@@ -42,7 +42,7 @@ from .stats import GraphInfo, RunnerStats
 
 __all__ = [
     "GraphRunner", "GraphInfo", "RunnerStats", "CudaBackend", "capture_graph", "pool_reserved_bytes",
-    "reset_rng_after_failed_capture", "max_rel_error", "validate_replay", "graph_node_types", "Buckets",
+    "reset_rng_after_failed_capture", "max_rel_error", "default_rtol", "validate_replay", "graph_node_types", "Buckets",
     "pick_bucket", "ArgSpec", "Call", "bind_names", "check_inputs", "tree_map", "tree_leaves",
     "NODE_COLUMNS", "NodeAttribution", "kernel_family", "node_counts", "node_table", "node_times", "time_by_module",
     "to_dot", "short_kernel_name", "Break", "BreakPlan", "PiecewiseGraph", "while_node", "if_node",
