@@ -398,24 +398,6 @@ def baked_value_plot(calls, title: str = ""):
     return fig
 
 
-def speedup_by(summary, x: str, title: str = ""):
-    """Speedup over eager against a setting ``x`` (a column or the index name of ``summary``, e.g. the batch
-    size), with the p10–p90 range across trials as error bars (:func:`cgutils.timing.summarize_trials`)."""
-    df = summary.reset_index() if x not in summary.columns else summary
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    err = [df.speedup - df.speedup_p10, df.speedup_p90 - df.speedup]
-    ax.errorbar(df[x], df.speedup, yerr=err, marker="o", color=COLORS["graph_runner"], ecolor="#444", capsize=3,
-                label="graph replay, median and p10–p90 across trials")
-    ax.axhline(1.0, color="#444", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel(x)
-    ax.set_ylabel("speedup over eager (x)")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    return _finish(fig, ax, title)
-
-
 def trial_spread(trials, variants=("eager", "graph_runner"), title: str = ""):
     """How much each trial's median moved from the median of all trials (%), per workload, dtype and variant:
     one dot per trial (``trials``: the rows :func:`cgutils.bench.speedup_table` appends to ``trial_log``)."""

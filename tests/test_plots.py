@@ -1,0 +1,15 @@
+"""The plot helpers on hand-made frames."""
+
+
+def test_time_per_item_divides_each_variant_by_the_setting():
+    """08's batch sweep was drawn as a speedup over eager, the noisy quantity; the per-item view draws the times."""
+    import pandas as pd
+
+    from cgutils.plots import sweeps
+
+    rows = pd.DataFrame({"batch": [1, 4, 1, 4], "variant": ["eager", "eager", "graph_runner", "graph_runner"],
+                         "median_ms": [6.0, 8.0, 1.0, 2.0], "p10_ms": [5.0, 7.0, 1.0, 2.0],
+                         "p90_ms": [7.0, 9.0, 1.0, 2.0]})
+    fig = sweeps.time_per_item(rows, "batch")
+    lines = [line for line in fig.axes[0].get_lines() if line.get_marker() == "o"]
+    assert [list(line.get_ydata()) for line in lines] == [[6.0, 2.0], [1.0, 0.5]]
