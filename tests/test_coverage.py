@@ -129,3 +129,18 @@ def test_zero_duration_and_path_arguments(tmp_path):
     assert "nan" not in str(cov) and "no GPU-busy time" in str(cov)
     with pytest.raises(cg.InputError, match="empty path"):
         cg.graph_coverage("")
+
+
+def test_each_island_names_its_own_first_and_last_activity(tmp_path):
+    """Islands on two streams, numbered by time, took their first/last kernel names by row position: the
+    stream-7 island (kernA, kernB at t=105) was labelled kernC..kernD, the stream-13 one kernA..kernB."""
+    k = lambda name, ts, corr, stream: ev("kernel", name, ts, 10, correlation=corr, stream=stream, device=0)  # noqa: E731
+    events = [ev("cuda_runtime", "cudaLaunchKernel", 100, 5, correlation=1),
+              ev("cuda_runtime", "cudaLaunchKernel", 110, 5, correlation=2),
+              ev("cuda_runtime", "cudaGraphLaunch", 150, 5, correlation=3),
+              ev("cuda_runtime", "cudaLaunchKernel", 300, 5, correlation=4),
+              ev("cuda_runtime", "cudaLaunchKernel", 310, 5, correlation=5),
+              k("kernA", 105, 1, 7), k("kernB", 120, 2, 7), k("g1", 160, 3, 7), k("g2", 175, 3, 7),
+              k("kernC", 305, 4, 13), k("kernD", 320, 5, 13)]
+    islands = cg.graph_coverage(load_trace(write(tmp_path, {"traceEvents": events}))).islands
+    assert islands[["stream", "first", "last"]].values.tolist() == [[7, "kernA", "kernB"], [13, "kernC", "kernD"]]

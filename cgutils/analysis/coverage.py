@@ -145,10 +145,12 @@ def _islands(t: Trace, acts: pd.DataFrame, by_corr: pd.DataFrame) -> pd.DataFram
         return pd.DataFrame(columns=ISLAND_COLUMNS)
     t0 = float(acts.ts.min())
     linked = eager.correlation.where(eager.correlation.isin(by_corr.index))
-    g = eager.assign(end=eager.ts + eager.dur, linked=linked, is_kernel=eager.kind == "kernel").groupby("island")
+    g = (eager.assign(end=eager.ts + eager.dur, linked=linked, is_kernel=eager.kind == "kernel")
+         .sort_values("ts", kind="stable").groupby("island"))
     out = g.agg(device=("device", "first"), stream=("stream", "first"), start_us=("ts", "min"), end_us=("end", "max"), activities=("ts", "size"), kernels=("is_kernel", "sum"),
                 gpu_us=("dur", "sum"), launch_calls=("linked", "nunique"), first_call=("linked", "first"))
-    firsts, lasts = g.head(1).set_index("island"), g.tail(1).set_index("island")
+    # head/tail keep the frame's row order, not the islands': aligned by island number before they are read
+    firsts, lasts = (part.set_index("island").reindex(out.index) for part in (g.head(1), g.tail(1)))
     out["first"] = [_short(n, k) for n, k in zip(firsts.name, firsts.kind, strict=True)]
     out["last"] = [_short(n, k) for n, k in zip(lasts.name, lasts.kind, strict=True)]
     out[["start_us", "end_us"]] -= t0
