@@ -56,7 +56,7 @@ def test_the_plan_is_the_best_ladder_an_exhaustive_search_finds(seed):
     ({"memory_budget": 10}, "needs memory_bytes"),
     ({"max_buckets": 0}, "max_buckets"),
     ({"replay_ms": [1, 2]}, "mapping"),
-    ({"candidates": [1, 3]}, "no value for candidate size 3"),
+    ({"candidates": [1, 3]}, "no value for size 3"),
     ({"memory_bytes": {1: 5, 2: 5}, "memory_budget": 1}, "no ladder fits"),
 ])
 def test_bad_input_is_named(kwargs, match):
@@ -103,3 +103,31 @@ def test_numpy_inputs_and_integral_floats_are_sizes():
     plan = cg.plan_buckets(np.array([1, 2, 3, 4]), {np.int64(2): 1.0, 4: 2.0}, max_buckets=np.int64(1))
     assert plan.buckets == (4,)
     assert cg.plan_buckets([1.0, 2.0], {1: 1.0, 2: 2.0}).buckets == (1, 2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lengths": "123"}, "got a str"),  # was read as the sizes 1, 2, 3
+    ({"lengths": [True, 5]}, "bool"),  # True was a size of 1
+    ({"lengths": [2**63 + 5]}, "below 2\\*\\*53"),  # wrapped to a negative int64: padded_fraction -1e18
+    ({"replay_ms": {0: 1.0, 8: 1.0}}, "replay_ms's keys"),  # named `candidates`, which the caller never passed
+    ({"lengths": [3, 9], "replay_ms": {8: 1.0, 16: 1.0}, "eager_ms": {3: 0.1}}, "above the largest bucket"),
+])
+def test_inputs_found_by_a_new_user_are_named(kwargs, match):
+    """A helper's adversarial inputs: each was read silently wrong or refused with a message about something else."""
+    args = {"lengths": [3], "replay_ms": {8: 1.0}, **kwargs}
+    with pytest.raises(InputError, match=match):
+        cg.plan_buckets(args.pop("lengths"), args.pop("replay_ms"), **args)
+
+
+def test_numpy_budgets_series_and_empty_plans_work():
+    """np.int64 budgets were refused as 'not a finite number', a size-indexed Series as 'got Series', and an empty
+    plan's table had no columns (plan.table.mean_size raised AttributeError)."""
+    import numpy as np
+    import pandas as pd
+
+    plan = cg.plan_buckets([3], {8: 1.0}, memory_bytes={8: 4}, memory_budget=np.int64(5))
+    assert plan.buckets == (8,)
+    assert cg.plan_buckets([3, 9], pd.Series({8: 1.0, 16: 2.0})).buckets == cg.plan_buckets([3, 9], {8: 1.0, 16: 2.0}).buckets
+    empty = cg.plan_buckets([3, 9], {8: 1.0, 16: 1.0}, eager_ms=0.1)
+    assert empty.buckets == () and empty.table.empty
+    assert list(empty.table.columns) == ["bucket", "requests", "share", "mean_size", "replay_ms", "memory_bytes"]

@@ -22,6 +22,9 @@ import pandas as pd
 
 from ..errors import InputError
 
+PLAN_COLUMNS = ["bucket", "requests", "share", "mean_size", "replay_ms", "memory_bytes"]
+"""Columns of :attr:`BucketPlan.table` (also when the plan is empty)."""
+
 
 @dataclass
 class BucketPlan:
@@ -47,6 +50,8 @@ class BucketPlan:
 def _as_function(what: str, value: Any) -> Callable[[int], float]:
     """``value`` (a number, a mapping ``{size: value}`` or a function of the size) as a checked function: every
     value it gives is a finite number >= 0."""
+    if isinstance(value, pd.Series):  # indexed by size, as a measurement loop's frame column often is
+        value = value.to_dict()
     if isinstance(value, bool) or value is None:
         raise InputError(f"{what} must be a number, a mapping {{size: value}} or a function of the size, got {value!r}")
     if isinstance(value, (int, float, np.integer, np.floating)):
@@ -60,8 +65,10 @@ def _as_function(what: str, value: Any) -> Callable[[int], float]:
 
         def value(size: int) -> float:
             if size not in table:
-                raise InputError(f"{what} has no value for candidate size {size}: measure it, or leave it out of "
-                                 f"candidates")
+                raise InputError(f"{what} has no value for size {size}: "
+                                 + ("a request above the largest bucket; give eager_ms for every request size, or "
+                                    "as one number or a function of the size" if what == "eager_ms" else
+                                    "measure it, or leave it out of candidates"))
             return table[size]
     elif not callable(value):
         raise InputError(f"{what} must be a number, a mapping {{size: value}} or a function of the size, got "
@@ -82,17 +89,29 @@ def _as_function(what: str, value: Any) -> Callable[[int], float]:
 
 def _sizes(what: str, values: Any) -> np.ndarray:
     """``values`` as a 1-D int64 array of sizes >= 1 (integral floats accepted), or an InputError saying why not."""
+    if isinstance(values, (str, bytes)):  # iterable, but one size per character
+        raise InputError(f"{what} must be an iterable of sizes (ints >= 1), got a {type(values).__name__}: "
+                         f"{values!r:.40}; parse it first, e.g. [int(v) for v in text.split()]")
     try:
-        arr = np.asarray(list(values), dtype=float)
+        items = list(values)
+    except TypeError as exc:
+        raise InputError(f"{what} must be an iterable of sizes (ints >= 1), got {type(values).__name__}") from exc
+    if any(isinstance(v, (bool, np.bool_)) for v in items):
+        raise InputError(f"{what} holds a bool; sizes are ints >= 1")
+    try:
+        arr = np.asarray(items, dtype=float)
     except (TypeError, ValueError) as exc:
         raise InputError(f"{what} must be an iterable of sizes (ints >= 1), got {type(values).__name__}") from exc
     if arr.ndim != 1 or arr.size == 0:
         raise InputError(f"{what} must be a non-empty, flat sequence of sizes (ints >= 1)")
     if not np.isfinite(arr).all() or (arr != np.round(arr)).any() or (arr < 1).any():
         raise InputError(f"{what} must hold sizes that are integers >= 1")
+    if (arr >= _MAX_SIZE).any():  # above it, float64 no longer holds every integer and int64 wraps
+        raise InputError(f"{what} holds a size of {arr.max():.3g}: sizes must be below 2**53")
     return arr.astype(np.int64)
 
 
+_MAX_SIZE = 2.0**53
 _MAX_CELLS = 2**26  # table cells of the search (layers x candidates x memory units): about 1 GiB with back-pointers
 
 
@@ -107,7 +126,8 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
     Args:
         lengths: a sample of request sizes (ints >= 1), e.g. prompt token counts from a log.
         replay_ms: replay time of a graph captured at each candidate size (ms): ``{size: ms}`` as measured
-            (e.g. with :func:`cgutils.measure` on ``runner`` at each bucket), or a function of the size.
+            (e.g. with :func:`cgutils.measure` on ``runner`` at each bucket; a ``pandas.Series`` indexed by size
+            works the same), or a function of the size.
         memory_bytes: memory each candidate's graph adds (bytes); default 0 (no memory constraint).
         memory_budget: the most memory the chosen graphs may take together (bytes).
         max_buckets: the most buckets (graphs) to capture.
@@ -131,19 +151,27 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
             when ``eager_ms`` is not given, or no ladder within ``memory_budget`` / ``max_buckets``.
     """
     sizes = _sizes("lengths", lengths)
+    if isinstance(replay_ms, pd.Series):  # its index is the candidates, as a mapping's keys are
+        replay_ms = replay_ms.to_dict()
+    given = candidates is not None
     if candidates is None:
         candidates = list(replay_ms) if isinstance(replay_ms, Mapping) else np.unique(sizes).tolist()
-    cand = sorted(set(_sizes("candidates", candidates).tolist()))
+    cand = sorted(set(_sizes("candidates" if given else "replay_ms's keys (the candidates by default)",
+                             candidates).tolist()))
     if max_buckets is not None:
         if isinstance(max_buckets, bool) or not isinstance(max_buckets, (int, np.integer)) or max_buckets < 1:
             raise InputError(f"max_buckets must be an int >= 1, got {max_buckets!r}")
         max_buckets = None if max_buckets >= len(cand) else int(max_buckets)  # no limit then
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise InputError(f"steps must be an int >= 1 (memory units in the budget), got {steps!r}")
-    if memory_budget is not None and not (memory_bytes is not None and isinstance(memory_budget, (int, float))
-                                          and math.isfinite(memory_budget) and memory_budget > 0):
-        raise InputError("memory_budget needs memory_bytes (what each candidate's graph adds) and must be a finite "
-                         "number > 0")
+    if memory_budget is not None:
+        if memory_bytes is None:
+            raise InputError("memory_budget needs memory_bytes: what each candidate's graph adds (bytes)")
+        if (isinstance(memory_budget, (bool, np.bool_)) or not isinstance(memory_budget, (int, float, np.integer,
+                                                                                           np.floating))
+                or not (math.isfinite(memory_budget) and memory_budget > 0)):
+            raise InputError(f"memory_budget must be a finite number > 0 (bytes), got {memory_budget!r}")
+        memory_budget = float(memory_budget)
     cost = _as_function("replay_ms", replay_ms)
     mem = _as_function("memory_bytes", memory_bytes) if memory_bytes is not None else (lambda _s: 0.0)
     eager = _as_function("eager_ms", eager_ms) if eager_ms is not None else None
@@ -238,4 +266,4 @@ def _plan(sizes: np.ndarray, buckets: tuple[int, ...], cost: Callable, mem: Call
     return BucketPlan(buckets=buckets, expected_ms=float(np.mean(per_request)),
                       memory_bytes=float(sum(mem(b) for b in buckets)),
                       padded_fraction=float(np.mean((served - sizes[inside]) / served)) if inside.any() else 0.0,
-                      eager_requests=int((~inside).sum()), table=pd.DataFrame(rows))
+                      eager_requests=int((~inside).sum()), table=pd.DataFrame(rows, columns=PLAN_COLUMNS))
