@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ def _at_least(minimum: float, kind: type):
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):  # nan compares False with every bound
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if value < minimum or (kind is float and value == minimum):  # a float bound is exclusive
             raise argparse.ArgumentTypeError(f"must be {'>=' if kind is int else '>'} {minimum}, got {text}")
         return value
@@ -177,8 +180,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.islands is not None and not args.coverage:
         raise InputError("--islands sets how many eager islands --coverage lists: add --coverage")
     args.islands = 10 if args.islands is None else args.islands
+    if not args.file.strip():
+        raise InputError("trace: the file path is empty; pass a torch.profiler trace, e.g. trace.json.gz")
+    if args.range is not None and not args.range.strip():
+        raise InputError("trace --range: the annotation name is empty; pass the name of a record_function or "
+                         "nvtx_range")
     t = load_trace(args.file)
-    ranges = t.by_range(args.range) if args.range else None  # an unknown name fails before any output
+    ranges = t.by_range(args.range) if args.range is not None else None  # an unknown name fails before any output
     s = t.summary()
     with pd.option_context("display.precision", 3):
         print(s.drop("verdict").to_string())
@@ -245,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not record: report cells that are stale, ran changed library code, or are missing")
     r.add_argument("--verbose", "-v", action="store_true", help="with --check: say why each cell is not current")
     r.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
-    r.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
+    r.add_argument("--timeout", type=_at_least(1, int), default=1800, help="seconds per cell (default 1800)")
     r.set_defaults(func=cmd_record)
     f = sub.add_parser("figures", help="redraw figures/ from the committed recordings (no GPU needed)")
     f.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
-    f.add_argument("--timeout", type=int, default=1800, help="seconds per cell (default 1800)")
+    f.add_argument("--timeout", type=_at_least(1, int), default=1800, help="seconds per cell (default 1800)")
     f.set_defaults(func=cmd_figures)
     t = sub.add_parser("trace", help="summarise a torch.profiler Chrome trace (.json or .json.gz)")
     t.add_argument("file", help="a torch.profiler Chrome trace (.json or .json.gz), e.g. from cgutils.profile")

@@ -192,3 +192,21 @@ def test_trace_islands_needs_coverage_and_zero_lists_none(capsys):
     assert main(["trace", trace, "--coverage", "--islands", "0"]) == 0
     out = capsys.readouterr().out
     assert "3 eager islands" in out and "Empty DataFrame" not in out and "eager islands (first" not in out
+
+
+@pytest.mark.parametrize("argv", [["bench", "--budget", "nan"], ["bench", "--budget", "inf"],
+                                  ["record", "--timeout", "0"], ["figures", "--timeout", "-5"]])
+def test_non_finite_budgets_and_non_positive_timeouts_are_refused_when_parsing(argv, capsys):
+    """`--budget nan` passed the bound check (nan compares False) and `--timeout -5` was taken as given."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and ("finite" in err or ">= 1" in err), err
+
+
+@pytest.mark.parametrize("argv, says", [(["trace", ""], "file path is empty"),
+                                        (["trace", "t.json", "--range", ""], "annotation name is empty")])
+def test_empty_trace_path_and_range_are_named(argv, says, capsys):
+    """`trace ''` said ".: is a directory" and `--range ''` was silently ignored."""
+    assert main(argv) != 0
+    assert says in capsys.readouterr().err
