@@ -188,8 +188,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     t = load_trace(args.file)
     ranges = t.by_range(args.range) if args.range is not None else None  # an unknown name fails before any output
     s = t.summary()
+    # a ratio or median of nothing (no GPU activity, no launch) is NaN in the Series: said in words here
+    rows = s.drop("verdict")
+    shown = pd.Series(["n/a (none in this trace)" if isinstance(v, float) and v != v else v for v in rows],
+                      index=rows.index, dtype=object)  # object: counts stay ints
     with pd.option_context("display.precision", 3):
-        print(s.drop("verdict").to_string())
+        print(shown.to_string())
     print(f"verdict: {s.verdict}")
     if t.skipped:
         print(f"skipped events: {t.skipped}")

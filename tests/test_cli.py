@@ -210,3 +210,15 @@ def test_empty_trace_path_and_range_are_named(argv, says, capsys):
     """`trace ''` said ".: is a directory" and `--range ''` was silently ignored."""
     assert main(argv) != 0
     assert says in capsys.readouterr().err
+
+
+def test_trace_of_cpu_work_only_says_n_a_instead_of_nan(tmp_path, capsys):
+    """A trace without GPU work printed NaN for every ratio and median."""
+    import json
+
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1,
+                                                 "ts": 0, "dur": 5}]}))
+    assert main(["trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out and "n/a (none in this trace)" in out

@@ -131,3 +131,10 @@ def test_numpy_budgets_series_and_empty_plans_work():
     empty = cg.plan_buckets([3, 9], {8: 1.0, 16: 1.0}, eager_ms=0.1)
     assert empty.buckets == () and empty.table.empty
     assert list(empty.table.columns) == ["bucket", "requests", "share", "mean_size", "replay_ms", "memory_bytes"]
+
+
+def test_a_cost_function_that_raises_is_named_with_its_size():
+    """A replay_ms function's own ZeroDivisionError came out raw, without the size it failed on."""
+    with pytest.raises(InputError, match=r"replay_ms\(3\) raised ZeroDivisionError") as err:
+        cg.plan_buckets([3], lambda n: 1 / 0)
+    assert isinstance(err.value.__cause__, ZeroDivisionError)

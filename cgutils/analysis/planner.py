@@ -76,13 +76,18 @@ def _as_function(what: str, value: Any) -> Callable[[int], float]:
     fn = value
 
     def checked(size: int) -> float:
-        v = fn(size)
         try:
-            v = float(v)
+            given = fn(size)
+        except InputError:
+            raise
+        except Exception as exc:  # the caller's function: name the size it failed on, keep its error as the cause
+            raise InputError(f"{what}({size}) raised {type(exc).__name__}: {exc}") from exc
+        try:
+            v = float(given)
         except (TypeError, ValueError):
             v = math.nan
         if not (math.isfinite(v) and v >= 0):
-            raise InputError(f"{what} for size {size} is {fn(size)!r}: it must be a finite number >= 0")
+            raise InputError(f"{what} for size {size} is {given!r}: it must be a finite number >= 0")
         return v
     return checked
 
@@ -147,7 +152,8 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
         :class:`BucketPlan`.
 
     Raises:
-        InputError: an empty or non-positive sample, a bad option, no candidate that holds the largest request
+        InputError: an empty or non-positive sample, a bad option, a cost or memory function that raises (its
+            error is the ``__cause__``), no candidate that holds the largest request
             when ``eager_ms`` is not given, or no ladder within ``memory_budget`` / ``max_buckets``.
     """
     sizes = _sizes("lengths", lengths)
