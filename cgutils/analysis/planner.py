@@ -50,8 +50,6 @@ class BucketPlan:
 def _as_function(what: str, value: Any) -> Callable[[int], float]:
     """``value`` (a number, a mapping ``{size: value}`` or a function of the size) as a checked function: every
     value it gives is a finite number >= 0."""
-    if isinstance(value, pd.Series):  # indexed by size, as a measurement loop's frame column often is
-        value = value.to_dict()
     if isinstance(value, bool) or value is None:
         raise InputError(f"{what} must be a number, a mapping {{size: value}} or a function of the size, got {value!r}")
     if isinstance(value, (int, float, np.integer, np.floating)):
@@ -157,8 +155,9 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
             when ``eager_ms`` is not given, or no ladder within ``memory_budget`` / ``max_buckets``.
     """
     sizes = _sizes("lengths", lengths)
-    if isinstance(replay_ms, pd.Series):  # its index is the candidates, as a mapping's keys are
-        replay_ms = replay_ms.to_dict()
+    # a Series indexed by size (a measurement loop's column) is a mapping: its index gives the default candidates
+    replay_ms, memory_bytes, eager_ms = (v.to_dict() if isinstance(v, pd.Series) else v
+                                         for v in (replay_ms, memory_bytes, eager_ms))
     given = candidates is not None
     if candidates is None:
         candidates = list(replay_ms) if isinstance(replay_ms, Mapping) else np.unique(sizes).tolist()

@@ -5,9 +5,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter
 
+from ..bench.registry import SUITES
 from . import COLORS
-
-_LABELS = {"eager": "eager", "graph_runner": "graph replay (GraphRunner)"}
 
 
 def time_per_item(trials_summary, x: str, title: str = "", variants=("eager", "graph_runner")):
@@ -29,7 +28,7 @@ def time_per_item(trials_summary, x: str, title: str = "", variants=("eager", "g
         mid = d.median_ms.to_numpy() / per
         err = [mid - d.p10_ms.to_numpy() / per, d.p90_ms.to_numpy() / per - mid]
         ax.errorbar(per, mid, yerr=err, marker="o", color=COLORS.get(v, "#444"), ecolor="#444", capsize=3,
-                    label=_LABELS.get(v, v))
+                    label=SUITES["speedup"].label(v))  # the names the speedup table's plots use
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_formatter(FuncFormatter(lambda val, _: f"{val:g}"))
