@@ -130,7 +130,7 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
         lengths: a sample of request sizes (ints >= 1), e.g. prompt token counts from a log.
         replay_ms: replay time of a graph captured at each candidate size (ms): ``{size: ms}`` as measured
             (e.g. with :func:`cgutils.measure` on ``runner`` at each bucket; a ``pandas.Series`` indexed by size
-            works the same), or a function of the size.
+            works the same), a function of the size, or one number for every size.
         memory_bytes: memory each candidate's graph adds (bytes); default 0 (no memory constraint).
         memory_budget: the most memory the chosen graphs may take together (bytes).
         max_buckets: the most buckets (graphs) to capture.
@@ -225,8 +225,11 @@ def plan_buckets(lengths: Iterable[int], replay_ms: Mapping[int, float] | Callab
     if eager is not None and all_eager <= total.min():
         return _plan(sizes, (), cost, mem, eager)
     if not np.isfinite(total).any():
+        smallest = (f" (the smallest candidate's graph takes {c_mem.min():g} bytes against a budget of "
+                    f"{memory_budget:g}: a budget in other units than memory_bytes?)"
+                    if memory_budget is not None and c_mem.min() > memory_budget else "")
         raise InputError("no ladder fits memory_budget / max_buckets: raise the budget, or offer smaller candidates "
-                         "(or pass eager_ms, which allows running everything eagerly)")
+                         f"(or pass eager_ms, which allows running everything eagerly){smallest}")
     k, j, m = (int(v) for v in np.unravel_index(np.argmin(total), total.shape))
     chosen = [cand[j]]
     while back[k, j, m] >= 0:
