@@ -11,7 +11,7 @@ from simulation import SimulatedBackend
 from torch import nn
 
 import cgutils as cg
-from cgutils.capture import Break, BreakPlan, PiecewiseGraph
+from cgutils.capture import Break, BreakPlan, PiecewiseGraph, tree_leaves, tree_map
 from cgutils.capture.inspect import NodeAttribution, kernel_family, short_kernel_name
 from cgutils.diagnose import failure_site
 from cgutils.errors import CaptureError, DependencyError, InputError
@@ -229,7 +229,8 @@ def test_break_plan_resolves_names_modules_and_classes():
 
 
 @pytest.mark.parametrize("breaks,match", [
-    (["midd"], "no submodule named 'midd'"),
+    (["midd"], r"no submodule \(or method of one\) named 'midd'"),
+    (["mid.nosuch"], "named 'mid.nosuch'"),
     ([""], "root module itself"),
     ([3], "not a module name"),
     ([], "breaks is empty"),
@@ -329,3 +330,108 @@ def test_out_of_memory_does_not_make_a_break():
 
     why = explain(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert why is not None and why.key not in piecewise._BREAKABLE
+
+
+class _ImageList:
+    """torchvision's ImageList in miniature: a plain object whose attributes hold a tensor and sizes."""
+
+    def __init__(self, tensors, image_sizes):
+        self.tensors, self.image_sizes = tensors, image_sizes
+
+
+class _Transform(nn.Module):
+    def forward(self, x):
+        return _ImageList(x * 2, [tuple(x.shape[-2:])])
+
+    def postprocess(self, boxes, scale):
+        return [{"boxes": boxes * scale}]
+
+
+class _Detector(nn.Module):
+    """A detector's layout: the top-level forward calls a submodule's method itself (no forward hook sees it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.transform, self.head = _Transform(), nn.Linear(3, 3)
+
+    def forward(self, x):
+        images = self.transform(x)
+        return self.transform.postprocess(self.head(images.tensors), 0.5)
+
+
+def test_an_object_holding_tensors_is_mapped_only_when_asked():
+    """torchvision passes ImageList between its detector's submodules: a break returning one kept its tensors
+    unbuffered (the next piece read the capture's tensor), and a new ImageList at replay failed as a changed value."""
+    images = _ImageList(torch.ones(2, 3), [(2, 3)])
+    copied = tree_map(lambda t: t.clone(), images, objects=True)
+    assert isinstance(copied, _ImageList) and copied is not images and copied.tensors is not images.tensors
+    assert copied.image_sizes == [(2, 3)] and torch.equal(copied.tensors, images.tensors)
+    assert tree_map(lambda t: t.clone(), images) is images  # the runner's inputs and outputs: unchanged rule
+    assert [p for p, _ in tree_leaves(images, objects=True)] == ["output.tensors", "output.image_sizes[0][0]",
+                                                                   "output.image_sizes[0][1]"]
+    assert tree_leaves(nn.Linear(2, 2), objects=True)[0][1].__class__ is nn.Linear  # modules stay leaves
+
+
+def test_a_break_of_a_returned_object_copies_its_tensors_into_the_static_ones():
+    x = torch.ones(2, 3)
+    static = tree_map(lambda t: t.clone(), _Transform()(x), objects=True)
+    brk = Break("transform", "named", _Transform(), (x,), {}, static)
+    x.mul_(3)
+    brk.run()
+    assert torch.equal(static.tensors, torch.full((2, 3), 6.0))
+
+
+def test_a_submodule_method_can_be_named_as_a_break_and_replays_as_that_method():
+    net = _Detector()
+    plan = BreakPlan(net, ["transform.postprocess"])
+    assert plan.methods() == [(net.transform, "postprocess")] and plan.modules() == []
+    assert plan.why(net.transform, "postprocess") == "named" and plan.why(net.transform) is None
+    assert plan.name(net.transform, "postprocess") == "transform.postprocess"
+    boxes = torch.ones(2, 3)
+    brk = Break("transform.postprocess", "named", net.transform, (boxes, 0.5), {}, [{"boxes": torch.zeros(2, 3)}],
+                method="postprocess")
+    brk.run()
+    assert torch.equal(brk.static_output[0]["boxes"], torch.full((2, 3), 0.5))
+
+
+def test_a_method_hook_shadows_the_method_and_is_removed_cleanly():
+    from cgutils.capture.breakplan import MethodHook
+
+    t, seen = _Transform(), []
+
+    def wrap(call):
+        def wrapper(*a, **k):
+            seen.append("wrapped")
+            return call(*a, **k)
+        return wrapper
+
+    hook = MethodHook(t, "postprocess", wrap)
+    t.postprocess(torch.ones(1), 1.0)
+    hook.remove()
+    t.postprocess(torch.ones(1), 1.0)
+    assert seen == ["wrapped"] and "postprocess" not in vars(t)
+
+
+def test_auto_names_the_submodule_method_the_top_level_forward_called():
+    """A sync in `self.transform.postprocess(...)`, called from the root's forward, ended breaks='auto' with
+    "no break can wrap it" (torchvision's Faster R-CNN): the method becomes the break."""
+    from cgutils.capture.breakplan import submodule_method
+
+    class Syncs(_Detector):
+        def forward(self, x):
+            return self.transform.postprocess(x, float(x.sum()))
+
+    class Transform(_Transform):
+        def postprocess(self, boxes, scale):
+            return self._helper(boxes)
+
+        def _helper(self, boxes):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    net = Syncs()
+    net.transform = Transform()
+    try:
+        net(torch.ones(2, 3))
+    except RuntimeError as exc:
+        found = submodule_method(exc, BreakPlan(net, "auto"))
+    assert found == (net.transform, "postprocess")  # the call the top-level code made, not its helper

@@ -7,7 +7,8 @@
 - :mod:`.buckets`: the bucket policy and the learned output cuts (shared with ``generation``).
 - :mod:`.stats`: what a runner has captured and replayed.
 - :mod:`.inspect`: what a captured graph holds: node tables, module attribution, GPU time per node.
-- :mod:`.piecewise`: graph pieces around modules that must run eagerly.
+- :mod:`.breakplan`: which module (or submodule method) calls run eagerly between graph pieces.
+- :mod:`.piecewise`: graph pieces around those eager calls.
 - :mod:`.control`: WHILE and IF conditional nodes around captured work (control flow on the device).
 - :mod:`.bodysync`: what a conditional node's body may not do (host syncs), checked while it runs.
 - :mod:`.poolscope`: which memory pool the capture running in this thread records into.
@@ -18,6 +19,7 @@
 - :mod:`.runner`: :class:`GraphRunner`, which only coordinates.
 """
 
+from .breakplan import BreakPlan
 from .buckets import Buckets, pick_bucket
 from .compare import default_rtol, max_rel_error, validate_replay
 from .control import if_node, while_node
@@ -35,7 +37,7 @@ from .inspect import (
     to_dot,
 )
 from .nest import tree_leaves, tree_map
-from .piecewise import Break, BreakPlan, PiecewiseGraph
+from .piecewise import Break, PiecewiseGraph
 from .runner import GraphRunner
 from .signature import ArgSpec, Call, bind_names, check_inputs
 from .stats import GraphInfo, RunnerStats

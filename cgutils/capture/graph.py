@@ -13,8 +13,9 @@ import torch
 from ..checks import check_int, first_line, require_cuda
 from ..diagnose import explain, failure_site, find_sync_points
 from ..errors import CaptureError, first_cgutils_error
+from .breakplan import BreakPlan
 from .ending import end_abandoned_capture
-from .piecewise import BreakPlan, capture_pieces
+from .piecewise import capture_pieces
 from .poolscope import capture_pool
 from .state import rng_restore, rng_snapshot
 

@@ -3,6 +3,7 @@ dataclasses (namedtuples and ``transformers.ModelOutput`` included)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -11,42 +12,60 @@ from typing import Any
 import torch
 
 
-def tree_map(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+def tree_map(fn: Callable[[torch.Tensor], Any], obj: Any, objects: bool = False) -> Any:
     """Apply ``fn`` to every tensor in a nest of tuples, lists, dicts and dataclasses.
 
-    Handles namedtuples and ``transformers.ModelOutput`` (a dict subclass and a dataclass). Other
-    leaves are returned unchanged.
+    Handles namedtuples and ``transformers.ModelOutput`` (a dict subclass and a dataclass). With
+    ``objects``, also a plain object whose attributes hold tensors (torchvision's ``ImageList``): a shallow
+    copy with its attributes mapped (see :func:`holds_tensors`). Other leaves are returned unchanged.
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if objects and holds_tensors(obj):
+        new = copy.copy(obj)
+        new.__dict__.update({k: tree_map(fn, v, objects) for k, v in vars(obj).items()})
+        return new
     if isinstance(obj, dict):
-        mapped = {k: tree_map(fn, v) for k, v in obj.items()}
+        mapped = {k: tree_map(fn, v, objects) for k, v in obj.items()}
         try:
             return type(obj)(**mapped) if is_model_output(obj) else type(obj)(mapped)
         except TypeError:
             return mapped
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(tree_map(fn, v) for v in obj))
+        return type(obj)(*(tree_map(fn, v, objects) for v in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(tree_map(fn, v) for v in obj)
+        return type(obj)(tree_map(fn, v, objects) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: tree_map(fn, getattr(obj, f.name))
+        return dataclasses.replace(obj, **{f.name: tree_map(fn, getattr(obj, f.name), objects)
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
 
 
-def tree_leaves(obj: Any, path: str = "output") -> list[tuple[str, Any]]:
-    """Flatten a nest (as in :func:`tree_map`) into ``(path, leaf)`` pairs, paths like ``output[0]``."""
+def tree_leaves(obj: Any, path: str = "output", objects: bool = False) -> list[tuple[str, Any]]:
+    """Flatten a nest (as in :func:`tree_map`, ``objects`` likewise) into ``(path, leaf)`` pairs, paths like
+    ``output[0]`` or ``output[0].tensors``."""
     if isinstance(obj, torch.Tensor):
         return [(path, obj)]
+    if objects and holds_tensors(obj):
+        return [p for k, v in vars(obj).items() for p in tree_leaves(v, f"{path}.{k}", objects)]
     if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in tree_leaves(v, f"{path}[{k!r}]")]
+        return [p for k, v in obj.items() for p in tree_leaves(v, f"{path}[{k!r}]", objects)]
     if isinstance(obj, (tuple, list)):
-        return [p for i, v in enumerate(obj) for p in tree_leaves(v, f"{path}[{i}]")]
+        return [p for i, v in enumerate(obj) for p in tree_leaves(v, f"{path}[{i}]", objects)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [p for f in dataclasses.fields(obj) for p in tree_leaves(getattr(obj, f.name),
-                                                                        f"{path}.{f.name}")]
+                                                                        f"{path}.{f.name}", objects)]
     return [(path, obj)]
+
+
+def holds_tensors(obj: Any) -> bool:
+    """A plain object (not a container, dataclass, module or class) with a tensor among its attributes, one
+    level down or inside lists, tuples and dicts there: torchvision's ``ImageList`` (``.tensors``,
+    ``.image_sizes``), which its detectors pass from one submodule to the next."""
+    if (isinstance(obj, (torch.Tensor, dict, list, tuple, type, torch.nn.Module)) or dataclasses.is_dataclass(obj)
+            or not hasattr(obj, "__dict__")):
+        return False
+    return any(isinstance(t, torch.Tensor) for v in vars(obj).values() for _, t in tree_leaves(v))
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:

@@ -28,10 +28,10 @@ see garbage).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from torch import nn
 from ..checks import check_int
 from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
+from .breakplan import BreakPlan, MethodHook, submodule_method
 from .control import inside_body
 from .ending import end_abandoned_capture, end_failed_begin
 from .inspect import NODE_COLUMNS, node_table
@@ -54,11 +55,12 @@ class Break:
     """One eager call between two graph pieces.
 
     Attributes:
-        name: the module's qualified name (or class name).
+        name: the module's qualified name (or class name), with ``.method`` for a method break.
         why: why it runs eagerly: ``"named"`` or the sync found there (``"sync: Tensor.item at f.py:12"``).
         module: the module called.
         args, kwargs: its arguments as captured; tensors among them are rewritten by the previous piece.
         static_output: its outputs at capture; each replay copies the new outputs into these tensors.
+        method: ``""`` (the module is called: its forward) or the name of the module's method called.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Break:
     args: tuple
     kwargs: dict
     static_output: Any
+    method: str = ""
 
     @torch.no_grad()
     def run(self) -> None:
@@ -76,8 +79,9 @@ class Break:
             CaptureError: an output changed shape, dtype or structure since capture (``cause="break_shape"``):
                 the next piece reads buffers of the captured shape.
         """
-        out = self.module(*self.args, **self.kwargs)
-        new, old = tree_leaves(out), tree_leaves(self.static_output)
+        call = getattr(self.module, self.method) if self.method else self.module
+        out = call(*self.args, **self.kwargs)
+        new, old = tree_leaves(out, objects=True), tree_leaves(self.static_output, objects=True)
         if len(new) != len(old):
             raise CaptureError(f"eager module {self.name} returned {len(new)} values, at capture {len(old)}; the "
                                f"next graph piece reads the captured ones", cause="break_shape")
@@ -186,102 +190,6 @@ class PiecewiseGraph:
         return out
 
 
-class BreakPlan:
-    """Which module calls run eagerly between graph pieces.
-
-    Args:
-        root: the function being captured: an ``nn.Module`` (names are its qualified names), or a function
-            (then ``breaks`` must be module objects or classes, or ``"auto"``).
-        breaks: ``"auto"``: found while capturing: when capture fails with a CPU-GPU sync (or another
-            call a graph cannot hold), the innermost module running at that moment becomes a break and
-            capture starts again; or an iterable of qualified module names (``"encoder.layer.5.attention"``), ``nn.Module``
-            objects and ``nn.Module`` subclasses (every instance breaks).
-
-    Raises:
-        InputError: an unknown name (the message lists close ones), an entry of another kind, or the root
-            module itself (nothing would be left to capture).
-    """
-
-    def __init__(self, root: Any, breaks: Any):
-        self.root = root if isinstance(root, nn.Module) else None
-        self.names = {id(m): n for n, m in self.root.named_modules()} if self.root is not None else {}
-        self.auto = isinstance(breaks, str) and breaks == "auto"
-        self.objects: dict[int, tuple[nn.Module, str]] = {}  # id(module) -> (module, why)
-        self.types: dict[type, str] = {}
-        if self.auto:
-            return
-        if isinstance(breaks, (str, nn.Module, type)):
-            breaks = [breaks]
-        if not isinstance(breaks, Iterable):
-            raise InputError(f"breaks must be 'auto' or a list of module names, modules or module classes, got {breaks!r}")
-        by_name = dict(self.root.named_modules()) if self.root is not None else {}
-        for b in breaks:
-            if isinstance(b, str):
-                if self.root is None:
-                    raise InputError(f"breaks: the name {b!r} needs an nn.Module to look it up in; this function is not "
-                                     f"one, so pass the module object or its class instead")
-                if b not in by_name:
-                    close = [n for n in by_name if n and (b in n or n.endswith(b.split(".")[-1]))][:5]
-                    raise InputError(f"breaks: no submodule named {b!r} in {type(root).__name__}"
-                                     + (f"; close: {close}" if close else "; see [n for n, _ in model.named_modules()]"))
-                self._add(by_name[b], "named")
-            elif isinstance(b, nn.Module):
-                self._add(b, "named")
-            elif isinstance(b, type) and issubclass(b, nn.Module):
-                self.types[b] = f"named class {b.__name__}"
-                for m in self.root.modules() if self.root is not None else ():
-                    if isinstance(m, b) and m is not self.root:
-                        self._add(m, self.types[b])
-            else:
-                raise InputError(f"breaks: {b!r} is not a module name, module or module class")
-        if not self.objects and not self.types:
-            raise InputError("breaks is empty: name at least one module, or use breaks='auto'")
-
-    def _add(self, module: nn.Module, why: str) -> None:
-        if module is self.root:
-            raise InputError(f"breaks: {type(module).__name__} is the root module itself; nothing would be left to "
-                             f"capture. Name a submodule, or call the model eagerly.")
-        self.objects.setdefault(id(module), (module, why))
-
-    def why(self, module: nn.Module) -> str | None:
-        """Why ``module`` breaks, or ``None`` if it is captured."""
-        hit = self.objects.get(id(module))
-        return hit[1] if hit is not None else None
-
-    def modules(self) -> list[nn.Module]:
-        """The break modules found so far (names, objects, instances of the classes seen, auto's finds)."""
-        return [m for m, _ in self.objects.values()]
-
-    def name(self, module: nn.Module) -> str:
-        return self.names.get(id(module)) or type(module).__name__
-
-    def watching(self) -> _Watch:
-        """Context manager for the first warm-up call: finds the instances of the named classes it calls."""
-        return _Watch(self)
-
-
-class _Watch:
-    """A module stack during one eager call: instances of the plan's classes that it calls become breaks
-    (a function's modules are only known once it runs)."""
-
-    def __init__(self, plan: BreakPlan):
-        self.plan, self.handle = plan, None
-
-    def _enter_module(self, module: nn.Module, *_: Any) -> None:
-        for t, why in self.plan.types.items():
-            if isinstance(module, t) and module is not self.plan.root:
-                self.plan._add(module, why)
-
-    def __enter__(self) -> _Watch:
-        if self.plan.types:
-            self.handle = nn.modules.module.register_module_forward_pre_hook(self._enter_module)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-
-
 _EMPTY = "The CUDA Graph is empty"  # PyTorch's warning at capture_end for a graph without nodes
 
 
@@ -317,6 +225,8 @@ class PieceCapture:
         for module in self.plan.modules():  # hooks on the break modules only: the rest runs at full speed
             handles += [module.register_forward_pre_hook(self._pre, with_kwargs=True),
                         module.register_forward_hook(self._post, with_kwargs=True)]
+        handles += [MethodHook(module, method, functools.partial(self._wrap, module, method))
+                    for module, method in self.plan.methods()]
         if self.plan.auto:
             # no always_call: after an error the stack still holds the modules that were running
             hooks = nn.modules.module
@@ -386,7 +296,20 @@ class PieceCapture:
         if self.stack:
             self.stack.pop()
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _wrap(self, module: nn.Module, method: str, call: Any) -> Any:
+        """``call`` (a break method) made to end the piece before it and begin the next after it, like
+        :meth:`_pre` and :meth:`_post` around a break module's forward."""
+
+        @functools.wraps(call)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._pre(module, args, kwargs, method)
+            out = call(*args, **kwargs)
+            static = self._post(module, args, kwargs, out)
+            return out if static is None else static
+
+        return wrapper
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict, method: str = "") -> None:
         if self.depth:
             self.depth += 1
         elif self.current is not None:
@@ -396,7 +319,7 @@ class PieceCapture:
                     f"is captured as one graph on the GPU: a break cannot split it. Move the break out of the "
                     f"body, or the conditional node out of the piecewise function", cause="sync")
             self._end()
-            self.depth, self.pending = 1, (module, args, kwargs)
+            self.depth, self.pending = 1, (module, method, args, kwargs)
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         if not self.depth:
@@ -404,12 +327,12 @@ class PieceCapture:
         self.depth -= 1
         if self.depth:
             return None
-        module0, args0, kwargs0 = self.pending
+        module0, method0, args0, kwargs0 = self.pending
         self.pending = None
         # static buffers for the next piece: made outside any capture, kept alive by the Break
-        static = tree_map(lambda t: t.detach().clone(), out)
-        self.result.breaks.append(Break(self.plan.name(module0), self.plan.why(module0) or "", module0,
-                                        args0, kwargs0, static))
+        static = tree_map(lambda t: t.detach().clone(), out, objects=True)
+        self.result.breaks.append(Break(self.plan.name(module0, method0), self.plan.why(module0, method0) or "",
+                                        module0, args0, kwargs0, static, method0))
         self._begin()
         return static
 
@@ -470,31 +393,18 @@ def _find_breaks(fn: Any, plan: BreakPlan, stream: torch.cuda.Stream, reset: Any
             module = next((m for m in reversed(cap.stack) if m is not plan.root), None)
             site = failure_site(exc)
             where = f" at {site.file.rsplit('/', 1)[-1]}:{site.line}" if site is not None else ""
+            method = submodule_method(exc, plan) if module is None else None
+            if method is not None and plan.why(*method) is None:
+                plan.add_method(*method, f"{why.key}{where}")  # the top-level forward called a submodule's method
+                continue
             if module is None or plan.why(module) is not None:
-                method = _submodule_method(exc, plan) if module is None else None
-                what = (f"{method}, a method (not forward) of a submodule, called from the top-level function: no "
-                        f"break can wrap it" if method else "the top-level function itself" if module is None
-                        else f"{plan.name(module)}, already a break")
+                what = (f"{plan.name(*method)}, already a break" if method else "the top-level function's own code"
+                        if module is None else f"{plan.name(module)}, already a break")
                 raise CaptureError(
                     f"capture failed on a call a graph cannot hold{where}, in {what}; piecewise capture splits "
-                    f"only at submodule calls. Move that step into a submodule (its own nn.Module), or name the "
-                    f"modules to run eagerly with breaks=[...]. The error: {str(exc).splitlines()[0]}",
-                    original=exc, explanation=str(why), cause="sync") from exc
+                    f"only at calls of submodules and of their methods. Move that step into a submodule (its own "
+                    f"nn.Module), or name the calls to run eagerly with breaks=[...]. The error: "
+                    f"{str(exc).splitlines()[0]}", original=exc, explanation=str(why), cause="sync") from exc
             plan._add(module, f"{why.key}{where}")
     raise CaptureError(f"breaks='auto' found more than {MAX_AUTO_BREAKS} modules to run eagerly; name them with "
                        f"breaks=[...] or call the model eagerly", cause="sync")
-
-
-
-def _submodule_method(exc: BaseException, plan: BreakPlan) -> str | None:
-    """``"transform.postprocess"`` when the failing call ran inside a method other than ``forward`` of one of
-    ``plan.root``'s submodules (torchvision's detectors call ``self.transform.postprocess`` from their own
-    forward): the innermost such frame of the traceback, or ``None``."""
-    names = {id(m): n for n, m in plan.root.named_modules() if n} if isinstance(plan.root, nn.Module) else {}
-    tb, found = exc.__traceback__, None
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if id(owner) in names and tb.tb_frame.f_code.co_name not in ("forward", "_call_impl", "_wrapped_call_impl"):
-            found = f"{names[id(owner)]}.{tb.tb_frame.f_code.co_name}"
-        tb = tb.tb_next
-    return found

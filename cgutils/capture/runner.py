@@ -66,13 +66,13 @@ from torch import nn
 
 from ..checks import check_int, is_number, require_cuda, warn_caller
 from ..errors import CaptureError, InputError
+from .breakplan import BreakPlan
 from .buckets import Buckets, resize
 from .compare import check_later_replay, rtol_for
 from .cudadriver import cuda_driver
 from .entry import GraphEntry, capture_entry, check_aliasing
 from .graph import CUDA, CudaBackend, autocast_state
 from .nest import same_value
-from .piecewise import BreakPlan
 from .ranks import CaptureRanks
 from .signature import ArgSpec, Binder, Call, check_inputs
 from .stats import RunnerStats
