@@ -155,29 +155,39 @@ class Trace:
             ``gpu_busy_us`` (union of activity intervals over all streams and devices),
             ``gpu_busy_fraction``, ``gpu_idle_fraction``, ``kernels``, ``gpu_activities`` (kernels,
             memcpy, memset), ``launches`` (calls that started GPU work), ``graph_launches``,
-            ``kernels_per_launch``, ``activities_per_launch``, ``median_launch_cpu_us``,
-            ``median_kernel_us``, ``verdict``.
+            ``kernels_per_launch`` (kernels / the calls that started a kernel: copies and their calls are
+            left out), ``activities_per_launch``, ``median_launch_cpu_us``, ``median_kernel_us``, ``verdict``.
+            A trace without GPU activity spans its CPU events (``wall_us``).
         """
         acts = self.device_activity()
         calls = self.launch_calls()
         starts = pd.concat([acts.ts, calls.ts])
         ends = pd.concat([acts.ts + acts.dur, calls.ts + calls.dur])
+        if not len(starts):  # CPU-only: the span of what the CPU did
+            cpu = [df for df in (self.ops, self.runtime, self.annotations) if len(df)]
+            starts = pd.concat([df.ts for df in cpu]) if cpu else starts
+            ends = pd.concat([df.ts + df.dur for df in cpu]) if cpu else ends
         wall = float(ends.max() - starts.min()) if len(starts) else 0.0
         busy = union_length(acts.ts.to_numpy(), (acts.ts + acts.dur).to_numpy())
         idle = 1 - busy / wall if wall > 0 else float("nan")
         launched = calls
         n_launch = len(launched)
+        n_kernel_calls = int(launched.correlation.isin(self.kernels.correlation[self.kernels.correlation >= 0]).sum())
         s = pd.Series(dtype=object, data={
             "wall_us": wall, "gpu_busy_us": busy,
             "gpu_busy_fraction": busy / wall if wall > 0 else float("nan"), "gpu_idle_fraction": idle,
             "kernels": len(self.kernels), "gpu_activities": len(acts), "launches": n_launch,
             "graph_launches": int(is_graph_launch(launched.name).sum()),
-            "kernels_per_launch": len(self.kernels) / n_launch if n_launch else float("nan"),
+            "kernels_per_launch": len(self.kernels) / n_kernel_calls if n_kernel_calls else float("nan"),
             "activities_per_launch": len(acts) / n_launch if n_launch else float("nan"),
             "median_launch_cpu_us": float(launched.dur.median()) if n_launch else float("nan"),
             "median_kernel_us": float(self.kernels.dur.median()) if len(self.kernels) else float("nan"),
         })
-        if not len(acts):
+        cuda_calls = self.runtime.name.astype(str).str.match(r"(cuda|cu|hip)[A-Z]") if len(self.runtime) else []
+        if not len(acts) and int(sum(cuda_calls)):
+            s["verdict"] = (f"CUDA activity not recorded: {int(sum(cuda_calls))} CUDA/HIP runtime or driver calls "
+                            f"but no kernel, memcpy or memset; profile with ProfilerActivity.CUDA in activities")
+        elif not len(acts):
             s["verdict"] = ("empty trace" if not (len(self.ops) or len(self.runtime) or len(self.annotations))
                             else "no GPU activity in this trace (CPU-only?)")
         elif idle >= launch_bound_idle:
@@ -284,6 +294,18 @@ def _num(v: Any, nonneg: bool = False) -> float:
     return x
 
 
+def _correlation(v: Any) -> int | None:
+    """A correlation id as an int (``-1``: none given), or ``None`` when it is not an integer: ``True`` would
+    otherwise be read as id 1 and link unrelated events."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    if isinstance(v, (int, float)) and math.isfinite(v) and v == int(v):
+        return int(v)
+    return None
+
+
 def _shared_correlation(rows: list[tuple], skipped: dict[str, int]) -> np.ndarray | None:
     """Which runtime-table rows (name, ts, dur, pid, tid, correlation, api) to unlink because another call
     claims their correlation id, or ``None``. A runtime call and the driver call it made under the same id
@@ -313,9 +335,13 @@ def load_trace(path: str | Path) -> Trace:
     the whole JSON document as Python objects. Events missing ``ts``, ``dur`` or ``name``, or with
     non-numeric times, are skipped and counted in ``Trace.skipped``.
 
+    An empty ``traceEvents`` list gives an empty :class:`Trace` (its summary's verdict: "empty trace").
+    A correlation id that is not an integer (a bool, a string, a fraction) is dropped: the event is kept,
+    never linked, and counted in ``Trace.skipped``.
+
     Raises:
-        TraceFormatError: the file is missing, not JSON, a truncated gzip, has no ``traceEvents``, or
-            none of its events could be read. The message names the file and the problem.
+        TraceFormatError: the file is missing, not JSON, a truncated gzip, has no ``traceEvents`` key (or
+            it is not a list), or none of its events could be read. The message names the file and the problem.
     """
     import ijson
 
@@ -353,6 +379,9 @@ def load_trace(path: str | Path) -> Trace:
             args = ev.get("args")
             args = args if isinstance(args, dict) else {}
             corr = args.get("correlation", -1)
+            if (corr := _correlation(corr)) is None:
+                skip("correlation id not an integer (event kept, not linked)")
+                corr = -1
             if table == "ops":
                 rows["ops"].append((name, ts, dur, ev.get("pid"), ev.get("tid"), args.get("External id")))
             elif table == "runtime":

@@ -78,7 +78,7 @@ def test_launch_stats(trace):
 def test_summary_counts_overlap_once(trace):
     s = trace.summary()
     assert s.kernels == 6 and s.gpu_activities == 7 and s.launches == 5 and s.graph_launches == 1
-    assert s.kernels_per_launch == pytest.approx(6 / 5) and s.activities_per_launch == pytest.approx(7 / 5)
+    assert s.kernels_per_launch == pytest.approx(6 / 4) and s.activities_per_launch == pytest.approx(7 / 5)
     # busy = 2 + 4 + 3 + 1 + (110..122 union = 12)
     assert s.gpu_busy_us == pytest.approx(22.0)
     assert s.wall_us == pytest.approx(122.0 - 5.0)  # first launch call to last GPU activity end
@@ -302,3 +302,39 @@ def test_empty_tables_keep_numeric_times(tmp_path):
     t = load_trace(write(tmp_path, {"traceEvents": events}))
     assert t.memory.empty and t.memory.ts.dtype == "float64"
     assert t.device_activity().ts.dtype == "float64"
+
+
+def test_a_bool_correlation_id_links_nothing(tmp_path):
+    """`"correlation": true` was read as id 1: twenty unrelated kernels looked like one graph launch's."""
+    events = [ev("cuda_runtime", "cudaLaunchKernel", 0.0, 2.0, correlation=1),
+              ev("kernel", "k0", 5.0, 1.0, correlation=1, stream=7, device=0)]
+    events += [ev("kernel", f"k{i}", 10.0 + i, 0.5, correlation=True, stream=7, device=0) for i in range(1, 21)]
+    t = load_trace(write(tmp_path, {"traceEvents": events}))
+    assert t.launch_stats().activities.tolist() == [1]
+    assert t.skipped == {"correlation id not an integer (event kept, not linked)": 20}
+    assert len(t.kernels) == 21
+
+
+def test_kernels_per_launch_leaves_copies_out(tmp_path):
+    """A memcpy call counted as a launch: the summary's kernels_per_launch mixed copies with graph launches."""
+    s = load_trace(write(tmp_path, {"traceEvents": kineto_events()})).summary()
+    assert s.launches == 5 and s.kernels == 6
+    assert s.kernels_per_launch == 6 / 4  # three eager kernel launches and one graph launch
+
+
+def test_a_cpu_only_trace_spans_its_cpu_events(tmp_path):
+    events = [ev("cpu_op", "aten::mm", 0.0, 30.0), ev("user_annotation", "step", 5.0, 40.0)]
+    s = load_trace(write(tmp_path, {"traceEvents": events})).summary()
+    assert s.wall_us == 45.0 and s.verdict == "no GPU activity in this trace (CPU-only?)"
+
+
+def test_cuda_calls_without_cuda_activity_say_the_activity_was_not_recorded(tmp_path):
+    """A trace with cudaGraphLaunch calls but no kernels (ProfilerActivity.CUDA left out) was called CPU-only."""
+    events = [ev("cpu_op", "aten::mm", 0.0, 30.0), ev("cuda_runtime", "cudaGraphLaunch", 5.0, 4.0, correlation=3)]
+    s = load_trace(write(tmp_path, {"traceEvents": events})).summary()
+    assert s.verdict.startswith("CUDA activity not recorded") and "ProfilerActivity.CUDA" in s.verdict
+
+
+def test_an_empty_trace_events_list_is_an_empty_trace(tmp_path):
+    t = load_trace(write(tmp_path, {"traceEvents": []}))
+    assert t.summary().verdict == "empty trace" and t.kernels.empty
