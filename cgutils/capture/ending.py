@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -30,7 +31,9 @@ def end_abandoned_capture(graph: torch.cuda.CUDAGraph, capture_stream: torch.cud
     """
     ended = capture_ended
     if not ended:
-        with torch.cuda.stream(capture_stream):
+        with torch.cuda.stream(capture_stream), warnings.catch_warnings():
+            # an abandoned capture is thrown away: whether it recorded any work says nothing to the user
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
             try:
                 graph.capture_end()
                 ended = True
