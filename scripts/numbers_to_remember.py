@@ -38,7 +38,8 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
     out += [(f"host + GPU cost of one eager launch of a tiny kernel (median over chains of {one['n_min']}-"
              f"{one['n_max']}; range)", f"{one['median_us']:.1f} µs ({one['min_us']:.1f}-{one['max_us']:.1f})", "01",
              src),
-            ("cost of one more node in a replayed graph (same chains, captured)", f"{fit['replay_slope_us']:.2f} µs", "01", src),
+            ("cost of one more node in a replayed graph (slope fitted over the same chains, captured)",
+             f"{fit['replay_slope_us']:.2f} µs", "01", src),
             ("latency of one replay of a short graph, timed alone (the fit's intercept; back to back, replays "
              "overlap and cost less: notebook 10)", f"{fit['replay_intercept_us']:.1f} µs", "01", src)]
     bound, src = _source(results, "launch_bound")
