@@ -13,3 +13,11 @@ def test_time_per_item_divides_each_variant_by_the_setting():
     fig = sweeps.time_per_item(rows, "batch")
     lines = [line for line in fig.axes[0].get_lines() if line.get_marker() == "o"]
     assert [list(line.get_ydata()) for line in lines] == [[6.0, 2.0], [1.0, 0.5]]
+
+
+def test_a_share_never_rounds_to_all_or_nothing():
+    """notebook 07's coverage figure labelled a replay with three eager islands "100% graphed" (0.995)."""
+    from cgutils.plots import share
+
+    assert share(0.995) == "99.5%" and share(1.0) == "100%" and share(0.0) == "0%"
+    assert share(0.42) == "42%" and share(0.003) == "0.3%" and share(0.9999) == "99.99%"

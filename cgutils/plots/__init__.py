@@ -343,6 +343,14 @@ def timeline(traces: dict, window_name: str = "forward", title: str = ""):
     return fig
 
 
+def share(fraction: float) -> str:
+    """A fraction as a percentage that never rounds to 0% or 100% unless it is exactly that (0.995 -> "99.5%",
+    where ``:.0%`` said "100%" beside a trace with eager islands)."""
+    if fraction in (0, 1) or 0.005 <= fraction <= 0.995 and round(fraction * 100) not in (0, 100):
+        return f"{fraction:.0%}"
+    return f"{fraction:.1%}" if 0.0005 <= fraction <= 0.9995 else f"{fraction:.2%}"
+
+
 def coverage_bands(coverages: dict, title: str = ""):
     """GPU activity over time, graphed (inside a graph launch) against eager, one row per trace.
 
@@ -356,7 +364,7 @@ def coverage_bands(coverages: dict, title: str = ""):
         for graphed, color in ((True, COLORS["graph_runner"]), (False, COLORS["eager"])):
             part = acts[acts.graphed == graphed]
             ax.broken_barh(list(zip(part.ts - t0, part.dur)), (row - 0.35, 0.7), color=color)
-    ax.set_yticks(range(len(coverages)), [f"{label}: {cov.summary.graphed_time_fraction:.0%} graphed"
+    ax.set_yticks(range(len(coverages)), [f"{label}: {share(cov.summary.graphed_time_fraction)} graphed"
                                           for label, cov in coverages.items()], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("µs from the trace's first GPU activity")
