@@ -346,9 +346,11 @@ def timeline(traces: dict, window_name: str = "forward", title: str = ""):
 def share(fraction: float) -> str:
     """A fraction as a percentage that never rounds to 0% or 100% unless it is exactly that (0.995 -> "99.5%",
     where ``:.0%`` said "100%" beside a trace with eager islands)."""
-    if fraction in (0, 1) or 0.005 <= fraction <= 0.995 and round(fraction * 100) not in (0, 100):
-        return f"{fraction:.0%}"
-    return f"{fraction:.1%}" if 0.0005 <= fraction <= 0.9995 else f"{fraction:.2%}"
+    for digits in (0, 1, 2):  # the fewest decimals that keep a share off 0% and 100%
+        text = f"{fraction:.{digits}%}"
+        if fraction in (0, 1) or float(text[:-1]) not in (0.0, 100.0):
+            break
+    return text
 
 
 def coverage_bands(coverages: dict, title: str = ""):
