@@ -240,35 +240,6 @@ def batch_throughput(sweep, title: str = ""):
     return _finish(fig, ax, title)
 
 
-def chain_plot(chain, fit: dict, title: str = ""):
-    """Chain time against chain length (log-log), eager and replay, with the fitted per-launch slopes."""
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.loglog(chain.n, chain.eager_us, "o-", color=COLORS["eager"],
-              label=f"eager: {fit['eager_slope_us']:.2f} µs per launch")
-    ax.loglog(chain.n, chain.replay_us, "s-", color=COLORS["graph_runner"],
-              label=f"graph replay: {fit['replay_slope_us']:.2f} µs per node")
-    ax.set_xlabel("kernels in the chain (tiny in-place adds)")
-    ax.set_ylabel("time per chain (µs, CUDA events)")
-    ax.legend(fontsize=8)
-    return _finish(fig, ax, title)
-
-
-def size_plot(sizes, launch_us: float, crossover_elements: float, title: str = ""):
-    """One elementwise op against its size: eager call, one-node replay, kernel GPU time; the size at
-    which the kernel's GPU time equals one eager launch is marked."""
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.loglog(sizes.elements, sizes.eager_us, "o-", color=COLORS["eager"], label="eager call")
-    ax.loglog(sizes.elements, sizes.replay_us, "s-", color=COLORS["graph_runner"], label="one-node graph replay")
-    ax.loglog(sizes.elements, sizes.kernel_us, "^-", color=COLORS["raw_graph"], label="kernel GPU time")
-    ax.axhline(launch_us, color="#444", lw=0.8, ls="--", label=f"one eager launch ({launch_us:.1f} µs)")
-    if crossover_elements == crossover_elements:
-        ax.axvline(crossover_elements, color="#d62728", lw=1, label=f"crossover ≈ {crossover_elements:.2g} elements")
-    ax.set_xlabel("elements (fp32)")
-    ax.set_ylabel("µs")
-    ax.legend(fontsize=7)
-    return _finish(fig, ax, title)
-
-
 def launch_bound_bars(bound, title: str = ""):
     """Stacked bars per model and mode: GPU busy time and GPU idle time (µs) of one forward."""
     fig, ax = plt.subplots(figsize=(8, 4))
