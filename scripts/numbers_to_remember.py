@@ -38,10 +38,14 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
     out += [(f"host + GPU cost of one eager launch of a tiny kernel (median over chains of {one['n_min']}-"
              f"{one['n_max']}; range)", f"{one['median_us']:.1f} µs ({one['min_us']:.1f}-{one['max_us']:.1f})", "01",
              src),
-            ("cost of one more node in a replayed graph (slope fitted over the same chains, captured)",
-             f"{fit['replay_slope_us']:.2f} µs", "01", src),
+            ("GPU time of one node of a replayed graph (median over the same chains, µs per node)",
+             f"{chain[chain.n >= one['n_min']].replay_us_per_node.median():.2f} µs", "01", src),
             ("latency of one replay of a short graph, timed alone (the fit's intercept; back to back, replays "
              "overlap and cost less: notebook 10)", f"{fit['replay_intercept_us']:.1f} µs", "01", src)]
+    if "host_replay_us" in chain:
+        c = chain.set_index("n").host_replay_us
+        out.append((f"host CPU time of one graph.replay() call, a graph of {c.index[0]} node vs {c.index[-1]} nodes",
+                    f"{c.iloc[0]:.1f} vs {c.iloc[-1]:.1f} µs", "01", src))
     bound, src = _source(results, "launch_bound")
     for model in ("BERT-base seq128", "GPT-2 decode step"):
         e = bound[(bound.model == model) & (bound["mode"] == "eager")].iloc[0]
@@ -57,8 +61,11 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
             ("... warm-up + capture + validation, once per shape", f"{b.setup_s.graph_runner * 1e3:.0f} ms", "05", src)]
     gen, src = _source(results, "generation")
     g = gen[(gen.dtype == "fp16") & (gen.batch == 1)].set_index("decoder")
-    out.append(("GPT-2 fp16 greedy decoding, batch 1: ms per token, transformers eager vs the graphed static-cache decoder",
-                f"{g.ms_per_token.hf_dynamic:.1f} vs {g.ms_per_token.cgutils_graph:.2f} ms", "06", src))
+    per_token = g.ms_per_token / g.median_ms  # 1 / tokens per call, to scale a call's p10-p90 to one token
+    out.append(("GPT-2 fp16 greedy decoding, batch 1: ms per token, the graphed static-cache decoder (p10-p90) vs "
+                "transformers' static cache",
+                f"{g.ms_per_token.cgutils_graph:.2f} ms ({g.p10_ms.cgutils_graph * per_token.cgutils_graph:.2f}-"
+                f"{g.p90_ms.cgutils_graph * per_token.cgutils_graph:.2f}) vs {g.ms_per_token.hf_static:.2f} ms", "06", src))
     mem, src = _source(results, "bucket_memory")
     out.append(("memory pool of BERT-base's three buckets (128/256/512 tokens, fp16)",
                 f"{mem.pool_bytes.sum() / 2**20:.0f} MiB", "03", src))
