@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 from .capture import capture_graph
 from .checks import require_cuda
 from .errors import InputError
-from .timing import interleaved_trials, measure, summarize_trials
+from .timing import measure
 
 _FIX = "the notebooks show the recorded result instead"
 
@@ -33,76 +32,31 @@ def _chain(x: torch.Tensor, n: int) -> Callable[[], None]:
     return run
 
 
-def _trial_stats(fns: dict, trials: int, iters: int) -> dict[str, dict[str, float]]:
-    """Per variant: median and p10/p90 across interleaved trials of the per-trial medians (CUDA events), µs."""
-    frame = interleaved_trials(fns, trials=trials, iters=iters, warmup=3, device="cuda")
-    rows = summarize_trials(frame).set_index("variant")
-    return {v: {k: float(rows.loc[v, f"{k}_ms"]) * 1e3 for k in ("median", "p10", "p90")} for v in rows.index}
-
-
-def _host_us(fns: dict, trials: int, iters: int) -> dict[str, float]:
-    """Per variant: median host µs of one call (``time.perf_counter`` around it), the GPU idle before each
-    call so that a queue left by the previous call cannot block this one; variants in a shuffled order per
-    trial, as :func:`cgutils.timing.interleaved_trials` orders them."""
-    rng = np.random.default_rng(0)
-    names = list(fns)
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(trials):
-        for i in rng.permutation(len(names)):
-            fn = fns[names[i]]
-            for _ in range(iters):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                samples[names[i]].append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return {n: float(np.median(v)) for n, v in samples.items()}
-
-
 def chain_sweep(lengths: Iterable[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-                iters: int = 20, trials: int = 5, progress: bool = True):
+                iters: int = 30, progress: bool = True):
     """Time a chain of ``n`` tiny kernels (an in-place add on one float) launched eagerly, and the same
-    chain captured into one graph and replayed, as the GPU sees it and as the host does.
-
-    Every chain length and both ways of running it are timed in ``trials`` interleaved trials
-    (:func:`cgutils.timing.interleaved_trials`, ``iters`` calls each), so a slow phase of the host falls
-    on all of them alike and the spread across trials shows how much one length's figure moves. Then the
-    same again with the host's clock (``time.perf_counter`` around one call, the GPU idle before it): for the
-    eager chain the time to issue its ``n`` launches, for the replay the CPU cost of one ``graph.replay()``.
+    chain captured into one graph and replayed.
 
     Returns:
-        DataFrame, one row per length: ``n``; ``eager_us``, ``replay_us`` (µs per chain, CUDA events,
-        median across trials) with ``eager_p10_us``, ``eager_p90_us``, ``replay_p10_us``, ``replay_p90_us``
-        (10th/90th percentile across trials); ``host_eager_us``, ``host_replay_us`` (µs of host time per
-        call, median over all trials' calls); ``eager_us_per_op``, ``replay_us_per_node``, ``host_eager_us_per_op``
-        (those divided by ``n``).
-
-    Raises:
-        NoCudaError: no CUDA device is visible.
+        DataFrame with columns ``n, eager_us, replay_us`` (median per chain, µs) and
+        ``eager_us_per_op, replay_us_per_node``.
     """
     import pandas as pd
     from tqdm.auto import tqdm
 
     require_cuda("chain_sweep", _FIX)
     x = torch.zeros(1, device="cuda")
-    fns, graphs = {}, []
-    for n in tqdm(list(lengths), desc="capturing kernel chains", disable=not progress):
+    rows = []
+    for n in tqdm(list(lengths), desc="kernel chains", disable=not progress):
         run = _chain(x, n)
+        eager = measure(run, warmup=3, iters=iters).median_ms * 1e3
         graph, _ = capture_graph(run, warmup=1)
-        graphs.append(graph)
-        fns[f"eager {n}"], fns[f"replay {n}"] = run, graph.replay
-    gpu = _trial_stats(fns, trials, iters)
-    host = _host_us(fns, trials, iters)
-    rows = [{"n": n, "eager_us": gpu[f"eager {n}"]["median"], "replay_us": gpu[f"replay {n}"]["median"],
-             "eager_p10_us": gpu[f"eager {n}"]["p10"], "eager_p90_us": gpu[f"eager {n}"]["p90"],
-             "replay_p10_us": gpu[f"replay {n}"]["p10"], "replay_p90_us": gpu[f"replay {n}"]["p90"],
-             "host_eager_us": host[f"eager {n}"], "host_replay_us": host[f"replay {n}"]}
-            for n in lengths]
-    del graphs
+        replay = measure(graph.replay, warmup=3, iters=iters).median_ms * 1e3
+        rows.append({"n": n, "eager_us": eager, "replay_us": replay})
+        del graph
     df = pd.DataFrame(rows)
     df["eager_us_per_op"] = df.eager_us / df.n
     df["replay_us_per_node"] = df.replay_us / df.n
-    df["host_eager_us_per_op"] = df.host_eager_us / df.n
     return df
 
 
@@ -125,10 +79,10 @@ def fit_per_launch(df) -> dict[str, float]:
 
 
 def launch_cost(df) -> dict[str, float]:
-    """One eager launch as the suite quotes it: the median eager µs per launch over every chain of 64 or
-    more launches, with their range. From 64 on, the chain's fixed cost (the fit's intercept, ~15 µs on the
-    H200: notebook 01) is a few per cent of the chain, so each length measures the launches themselves; the
-    fitted slope (:func:`fit_per_launch`) is one line through every length instead.
+    """One eager launch as the suite quotes it: the median eager µs per launch over the chain lengths that
+    agree (64 <= n < the longest), with their range. The fitted slope (:func:`fit_per_launch`) goes through
+    every length, and on the H200 the longest chain ran faster per launch than the rest (notebook 01 prints
+    both), so one line would be bent by it.
 
     Args:
         df: :func:`chain_sweep`'s frame (columns ``n`` and ``eager_us_per_op``, µs).
@@ -137,41 +91,32 @@ def launch_cost(df) -> dict[str, float]:
         ``median_us``, ``min_us``, ``max_us`` (µs per launch) and ``n_min``, ``n_max`` (the chain lengths used).
 
     Raises:
-        InputError: no chain of 64 or more launches in ``df``.
+        InputError: no chain length in that window (the sweep needs lengths from 64 and a longer one).
     """
     per = df.set_index("n").eager_us_per_op
-    mid = per[per.index >= 64]
+    mid = per[(per.index >= 64) & (per.index < per.index.max())]
     if mid.empty:
-        raise InputError(f"launch_cost needs chain lengths >= 64; the sweep has {list(per.index)}")
+        raise InputError(f"launch_cost needs chain lengths >= 64 below the longest; the sweep has {list(per.index)}")
     return {"median_us": float(mid.median()), "min_us": float(mid.min()), "max_us": float(mid.max()),
             "n_min": int(mid.index.min()), "n_max": int(mid.index.max())}
 
 
 def size_sweep(sizes: Iterable[int] = tuple(int(10 ** e) for e in np.arange(0, 8.01, 0.5)),
-               repeat: int = 20, iters: int = 20, trials: int = 5, progress: bool = True):
+               repeat: int = 20, iters: int = 30, progress: bool = True):
     """One elementwise op (``torch.mul(x, 2, out=y)``, fp32) from 1 to ~10^8 elements.
-
-    Every size and way of running it is timed in ``trials`` interleaved trials
-    (:func:`cgutils.timing.interleaved_trials`, ``iters`` calls each, CUDA events); all the sizes' tensors
-    are alive together (~1.3 GB at the default sizes).
 
     Returns:
         DataFrame with columns ``elements, bytes`` (read + written), ``eager_us`` (one eager call, CUDA
         events: launch plus kernel as the GPU sees it), ``replay_us`` (the same op as a one-node graph
         replay), ``kernel_us`` (GPU time of the kernel alone: ``repeat`` copies replayed back to back in
-        one graph, divided by ``repeat``): medians across trials, with ``eager_p10_us``, ``eager_p90_us``,
-        ``replay_p10_us``, ``replay_p90_us`` (10th/90th percentile across trials).
-
-    Raises:
-        NoCudaError: no CUDA device is visible.
+        one graph, divided by ``repeat``).
     """
     import pandas as pd
     from tqdm.auto import tqdm
 
     require_cuda("size_sweep", _FIX)
-    sizes = list(sizes)
-    fns, keep = {}, []
-    for n in tqdm(sizes, desc="capturing kernel sizes", disable=not progress):
+    rows = []
+    for n in tqdm(list(sizes), desc="kernel sizes", disable=not progress):
         x = torch.randn(n, device="cuda")
         y = torch.empty_like(x)
 
@@ -182,16 +127,13 @@ def size_sweep(sizes: Iterable[int] = tuple(int(10 ** e) for e in np.arange(0, 8
             for _ in range(repeat):
                 op()
 
+        eager = measure(op, warmup=5, iters=iters).median_ms * 1e3
         one, _ = capture_graph(op, warmup=1)
+        replay = measure(one.replay, warmup=5, iters=iters).median_ms * 1e3
         block, _ = capture_graph(many, warmup=1)
-        keep.append((x, y, one, block))
-        fns[f"eager {n}"], fns[f"replay {n}"], fns[f"block {n}"] = op, one.replay, block.replay
-    t = _trial_stats(fns, trials, iters)
-    rows = [{"elements": n, "bytes": 2 * 4 * n, "eager_us": t[f"eager {n}"]["median"],
-             "replay_us": t[f"replay {n}"]["median"], "kernel_us": t[f"block {n}"]["median"] / repeat,
-             "eager_p10_us": t[f"eager {n}"]["p10"], "eager_p90_us": t[f"eager {n}"]["p90"],
-             "replay_p10_us": t[f"replay {n}"]["p10"], "replay_p90_us": t[f"replay {n}"]["p90"]} for n in sizes]
-    del keep
+        kernel = measure(block.replay, warmup=3, iters=iters).median_ms * 1e3 / repeat
+        rows.append({"elements": n, "bytes": 2 * 4 * n, "eager_us": eager, "replay_us": replay, "kernel_us": kernel})
+        del x, y, one, block
     return pd.DataFrame(rows)
 
 

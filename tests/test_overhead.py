@@ -50,17 +50,14 @@ def test_cuda_functions_say_they_need_cuda(monkeypatch):
 
 @pytest.mark.gpu
 def test_replay_node_is_cheaper_than_eager_launch():
-    chain = overhead.chain_sweep(lengths=(64, 256, 1024), iters=10, trials=2, progress=False)
+    chain = overhead.chain_sweep(lengths=(64, 256, 1024), iters=10, progress=False)
     fit = overhead.fit_per_launch(chain)
     assert 0 < fit["replay_slope_us"] < fit["eager_slope_us"]
-    assert (chain.eager_p10_us <= chain.eager_us).all() and (chain.eager_us <= chain.eager_p90_us).all()
-    # the host issues an eager chain launch by launch, a replay in one call
-    assert (chain.host_eager_us > chain.host_replay_us).all()
 
 
 @pytest.mark.gpu
 def test_size_sweep_kernel_time_grows_with_size():
-    sizes = overhead.size_sweep(sizes=(1, 10**7), repeat=5, iters=5, trials=2, progress=False)
+    sizes = overhead.size_sweep(sizes=(1, 10**7), repeat=5, iters=5, progress=False)
     assert sizes.kernel_us.iloc[1] > sizes.kernel_us.iloc[0] > 0
 
 
@@ -81,7 +78,7 @@ def test_runtime_calls_eager_vs_replay():
     assert replay.get("cudaGraphLaunch", 0) + replay.get("cuGraphLaunch", 0) == 1
 
 
-def test_one_launch_is_the_median_over_every_chain_of_64_or_more():
+def test_one_launch_is_the_median_over_the_chain_lengths_that_agree():
     """Notebook 01 and the numbers to remember each computed this median by hand (a copy-paste twin)."""
     import pandas as pd
 
@@ -89,6 +86,6 @@ def test_one_launch_is_the_median_over_every_chain_of_64_or_more():
     from cgutils.overhead import launch_cost
 
     chain = pd.DataFrame({"n": [1, 16, 64, 256, 1024, 4096], "eager_us_per_op": [30.0, 12.0, 9.5, 9.8, 10.4, 7.0]})
-    assert launch_cost(chain) == {"median_us": 9.65, "min_us": 7.0, "max_us": 10.4, "n_min": 64, "n_max": 4096}
+    assert launch_cost(chain) == {"median_us": 9.8, "min_us": 9.5, "max_us": 10.4, "n_min": 64, "n_max": 1024}
     with pytest.raises(InputError, match="chain lengths >= 64"):
         launch_cost(chain[chain.n < 64])

@@ -230,7 +230,7 @@ def test_break_plan_resolves_names_modules_and_classes():
 
 @pytest.mark.parametrize("breaks,match", [
     (["midd"], r"no submodule \(or method of one\) named 'midd'"),
-    (["mid.nosuch"], "named 'mid.nosuch'"),
+    (["mid.nosuch"], "'mid.nosuch': ReLU has no method 'nosuch'"),
     ([""], "root module itself"),
     ([3], "not a module name"),
     ([], "breaks is empty"),

@@ -42,7 +42,7 @@ from torch import nn
 from ..checks import check_int
 from ..diagnose import explain, failure_site
 from ..errors import CaptureError, InputError
-from .breakplan import BreakPlan, MethodHook, submodule_method
+from .breakplan import BreakPlan, MethodHook, require_method, submodule_method
 from .control import inside_body
 from .ending import end_abandoned_capture, end_failed_begin
 from .inspect import NODE_COLUMNS, node_table
@@ -61,6 +61,9 @@ class Break:
         args, kwargs: its arguments as captured; tensors among them are rewritten by the previous piece.
         static_output: its outputs at capture; each replay copies the new outputs into these tensors.
         method: ``""`` (the module is called: its forward) or the name of the module's method called.
+
+    Raises:
+        InputError: ``module`` has no callable ``method`` (the message lists close names).
     """
 
     name: str
@@ -70,6 +73,10 @@ class Break:
     kwargs: dict
     static_output: Any
     method: str = ""
+
+    def __post_init__(self) -> None:
+        if self.method:  # now, not as an AttributeError in the middle of a replay
+            require_method(self.module, self.method, f"Break {self.name!r}")
 
     @torch.no_grad()
     def run(self) -> None:
@@ -221,19 +228,21 @@ class PieceCapture:
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()  # as torch.cuda.graph does: segments freed before capture go back first
-        handles = []
-        for module in self.plan.modules():  # hooks on the break modules only: the rest runs at full speed
-            handles += [module.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        module.register_forward_hook(self._post, with_kwargs=True)]
-        handles += [MethodHook(module, method, functools.partial(self._wrap, module, method))
-                    for module, method in self.plan.methods()]
-        if self.plan.auto:
-            # no always_call: after an error the stack still holds the modules that were running
-            hooks = nn.modules.module
-            handles += [hooks.register_module_forward_pre_hook(self._push),
-                        hooks.register_module_forward_hook(self._pop)]
-        self.stream.wait_stream(torch.cuda.current_stream())
+        handles: list[Any] = []
         try:
+            # inside the try, each handle kept as soon as made: a hook that fails (a method gone since the plan
+            # was made) must not leave the ones before it on the modules
+            for module in self.plan.modules():  # hooks on the break modules only: the rest runs at full speed
+                handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+            for module, method in self.plan.methods():
+                handles.append(MethodHook(module, method, functools.partial(self._wrap, module, method)))
+            if self.plan.auto:
+                # no always_call: after an error the stack still holds the modules that were running
+                hooks = nn.modules.module
+                handles.append(hooks.register_module_forward_pre_hook(self._push))
+                handles.append(hooks.register_module_forward_hook(self._pop))
+            self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream), torch.no_grad(), capture_pool(self.pool):
                 self._begin()
                 out = fn()
