@@ -4,6 +4,8 @@
 - :mod:`.static_kv`: the static KV state and its decode step, :class:`GreedyDecoder`, transformers' ``generate``.
 - :mod:`.until_eos`: decoding until an end-of-sequence token, the stop check on the host or in a WHILE node.
 - :mod:`.tensor_parallel`: the decode step split across tensor-parallel ranks, and the parallel linear layers.
+- :mod:`.fused_step`: the decode step in fused Triton kernels (62 per step instead of ~156; experimental, not
+  yet behind :class:`GreedyDecoder`; ``benchmarks/decode_floor.py`` measures it against the bandwidth floor).
 """
 
 from .request import (
