@@ -40,8 +40,8 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
              src),
             ("GPU time of one node of a replayed graph (median over the same chains, µs per node)",
              f"{chain[chain.n >= one['n_min']].replay_us_per_node.median():.2f} µs", "01", src),
-            ("latency of one replay of a short graph, timed alone (the fit's intercept; back to back, replays "
-             "overlap and cost less: notebook 10)", f"{fit['replay_intercept_us']:.1f} µs", "01", src)]
+            ("GPU latency of one replay of a one-node graph, calls back to back (CUDA events; median of trials)",
+             f"{chain.set_index('n').replay_us.iloc[0]:.1f} µs", "01", src)]
     if "host_replay_us" in chain:
         c = chain.set_index("n").host_replay_us
         out.append((f"host CPU time of one graph.replay() call, a graph of {c.index[0]} node vs {c.index[-1]} nodes",
