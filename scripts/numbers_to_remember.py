@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cgutils.overhead import fit_per_launch, launch_cost
+from cgutils.overhead import launch_cost
 from cgutils.store import ResultsStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
     """(quantity, value, notebook, source) for each number."""
     out = []
     chain, src = _source(results, "overhead_chain")
-    fit, one = fit_per_launch(chain), launch_cost(chain)
+    one = launch_cost(chain)
     out += [(f"host + GPU cost of one eager launch of a tiny kernel (median over chains of {one['n_min']}-"
              f"{one['n_max']}; range)", f"{one['median_us']:.1f} µs ({one['min_us']:.1f}-{one['max_us']:.1f})", "01",
              src),
