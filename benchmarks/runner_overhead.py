@@ -30,17 +30,8 @@ import numpy as np
 import torch
 
 import cgutils as cg
+from cgutils import host_us_per_call
 from cgutils.workloads import WORKLOADS
-
-
-def host_us_per_call(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
 
 
 def spread(samples: list[float]) -> dict:
@@ -84,7 +75,7 @@ def weights_run(model, ids, mask, trials: int) -> dict:
     runner = cg.GraphRunner(model)
     runner(ids, mask)
     watch = runner._weights
-    check = [host_us_per_call(watch.replaced, 1000) for _ in range(trials)]
+    check = [host_us_per_call(watch.replaced, calls=1000, warmup=0) for _ in range(trials)]
     cg.capture.weights._bump()  # an event: the next check compares every tensor, then settles
     t0 = time.perf_counter()
     assert watch.replaced() == []
@@ -136,10 +127,10 @@ def main() -> None:
     variants = {"raw replay": raw, "GraphRunner": lambda: runner(ids, mask)}
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
-        host_us_per_call(fn, args.calls)  # warm
+        host_us_per_call(fn, calls=args.calls, warmup=0)  # warm
     for _ in range(args.trials):  # interleaved: host noise hits both alike
         for name, fn in variants.items():
-            samples[name].append(host_us_per_call(fn, args.calls))
+            samples[name].append(host_us_per_call(fn, calls=args.calls, warmup=0))
     diffs = [r - w for r, w in zip(samples["GraphRunner"], samples["raw replay"], strict=True)]
     summary = {
         "provenance": cg.provenance(), "workload": "bert-base-seq128 fp16",

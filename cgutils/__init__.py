@@ -65,7 +65,7 @@ from .overhead import gpu_activity, runtime_calls
 from .pitfalls import PITFALLS, DropoutNet, Scaled
 from .recorded import setup_notebook
 from .store import ResultsStore, check_recordings, current_store
-from .timing import Timing, device_sync, interleaved_trials, measure, summarize_trials
+from .timing import Timing, device_sync, host_us_per_call, interleaved_trials, measure, summarize_trials
 from .trace import Trace, compare, load_trace, profile
 from .workloads import WORKLOADS, get_workload
 
@@ -84,7 +84,7 @@ __all__ = [
     "CaptureError", "CgutilsError", "DependencyError", "InputError", "NoCudaError", "RecordingError", "StaleRecordingError",
     "RecordedCellError", "TraceFormatError", "exception_chain",
     # timing, annotation, traces, launch overhead
-    "Timing", "device_sync", "measure", "interleaved_trials", "summarize_trials", "nvtx_range", "annotate_modules",
+    "Timing", "device_sync", "host_us_per_call", "measure", "interleaved_trials", "summarize_trials", "nvtx_range", "annotate_modules",
     "range_overhead_us", "Trace", "compare", "load_trace", "profile", "Coverage", "graph_coverage", "BucketPlan", "plan_buckets", "Divergence", "find_divergence", "gpu_activity", "runtime_calls",
     # workloads, generation, benchmark suites
     "WORKLOADS", "get_workload", "GreedyDecoder", "StaticKVState", "hf_generate", "SUITES", "speedup_table",

@@ -81,8 +81,9 @@ def fit_per_launch(df) -> dict[str, float]:
 def launch_cost(df) -> dict[str, float]:
     """One eager launch as the suite quotes it: the median eager µs per launch over the chain lengths that
     agree (64 <= n < the longest), with their range. The fitted slope (:func:`fit_per_launch`) goes through
-    every length, and on the H200 the longest chain ran faster per launch than the rest (notebook 01 prints
-    both), so one line would be bent by it.
+    every length and is bent by the short chains' fixed cost. The longest chain is left out because earlier
+    single-block sweeps on the H200 ran it faster per launch than the rest; in the interleaved sweep of notebook
+    01 it fell inside the range, and the notebook prints whether it does and what the median would be with it.
 
     Args:
         df: :func:`chain_sweep`'s frame (columns ``n`` and ``eager_us_per_op``, µs).

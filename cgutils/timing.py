@@ -139,6 +139,44 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
     return summarize([s.elapsed_time(e) for s, e in zip(starts, ends, strict=False)], "cuda_event")
 
 
+def host_us_per_call(fn: Callable[[], Any], *, calls: int = 200, warmup: int = 1, clock: str = "wall") -> float:
+    """Host µs per call of ``fn``, issued back to back ``calls`` times after ``warmup`` untimed calls.
+
+    The GPU is synchronised before the first timed call and after the last one, outside the clock, so the
+    figure is what the host spends issuing a call, not the GPU's time (:func:`measure` gives that).
+
+    Args:
+        fn: a callable with no arguments.
+        calls: timed calls (>= 1).
+        warmup: untimed calls first (>= 0).
+        clock: ``"wall"`` (``time.perf_counter``: includes time the thread waits, e.g. blocked on a full
+            launch queue) or ``"thread"`` (``time.thread_time``: CPU time of this thread only).
+
+    Returns:
+        µs per call (float).
+
+    Raises:
+        InputError: ``fn`` not callable; ``calls``/``warmup`` not ints or out of range; an unknown ``clock``.
+    """
+    if not callable(fn):
+        raise InputError(f"host_us_per_call needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
+    check_int("calls", calls, minimum=1, why="timed calls")
+    check_int("warmup", warmup, minimum=0, why="untimed calls first")
+    clocks = {"wall": time.perf_counter, "thread": time.thread_time}
+    if clock not in clocks:
+        raise InputError(f"clock must be one of {sorted(clocks)}, got {clock!r}")
+    now = clocks[clock]
+    for _ in range(warmup):
+        fn()
+    device_sync()
+    t0 = now()
+    for _ in range(calls):
+        fn()
+    t1 = now()
+    device_sync()
+    return (t1 - t0) / calls * 1e6
+
+
 TRIAL_COLUMNS = ("trial", "variant", "order", "median_ms", "p10_ms", "p90_ms", "n", "clock")
 """Columns of :func:`interleaved_trials`' frame, in order."""
 

@@ -183,9 +183,9 @@ class Trace:
             "median_launch_cpu_us": float(launched.dur.median()) if n_launch else float("nan"),
             "median_kernel_us": float(self.kernels.dur.median()) if len(self.kernels) else float("nan"),
         })
-        cuda_calls = self.runtime.name.astype(str).str.match(r"(cuda|cu|hip)[A-Z]") if len(self.runtime) else []
-        if not len(acts) and int(sum(cuda_calls)):
-            s["verdict"] = (f"CUDA activity not recorded: {int(sum(cuda_calls))} CUDA/HIP runtime or driver calls "
+        n_cuda_calls = int(self.runtime.name.astype(str).str.match(r"(cuda|cu|hip)[A-Z]").sum()) if len(self.runtime) else 0
+        if not len(acts) and n_cuda_calls:
+            s["verdict"] = (f"CUDA activity not recorded: {n_cuda_calls} CUDA/HIP runtime or driver calls "
                             f"but no kernel, memcpy or memset; profile with ProfilerActivity.CUDA in activities")
         elif not len(acts):
             s["verdict"] = ("empty trace" if not (len(self.ops) or len(self.runtime) or len(self.annotations))

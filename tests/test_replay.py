@@ -132,3 +132,144 @@ def test_capture_graph_refuses_no_warmup():
     with pytest.raises(cg.InputError, match="warmup must be an int >= 1"):
         capture_graph(lambda: None, warmup=0)
 
+
+
+class _Named(dict):
+    """A dict subclass whose __init__ takes a positional argument of its own before the items."""
+
+    def __init__(self, name, *args, **kwargs):
+        self.name = name
+        super().__init__(*args, **kwargs)
+
+
+class _KwargsOnly(dict):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+
+def test_tree_map_rebuilds_dict_subclasses_faithfully():
+    """`type(obj)(mapped)` put a positional-__init__ subclass's items into its name (it came back empty), and a
+    kwargs-only one came back as a plain dict."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    t = torch.ones(2)
+    named = tree_map(lambda x: x * 2, _Named("boxes", a=t, b=1))
+    assert type(named) is _Named and named.name == "boxes" and list(named) == ["a", "b"]
+    assert torch.equal(named["a"], t * 2) and named["b"] == 1
+    kwargs_only = tree_map(lambda x: x * 2, _KwargsOnly(a=t))
+    assert type(kwargs_only) is _KwargsOnly and torch.equal(kwargs_only["a"], t * 2)
+    ordered = tree_map(lambda x: x * 2, collections.OrderedDict([("z", t), ("a", t)]))
+    assert type(ordered) is collections.OrderedDict and list(ordered) == ["z", "a"]
+    default = tree_map(lambda x: x * 2, collections.defaultdict(list, a=t))
+    assert type(default) is collections.defaultdict and default.default_factory is list
+    out = tree_map(lambda x: x * 2, BaseModelOutput(last_hidden_state=t, hidden_states=(t,)))
+    assert type(out) is BaseModelOutput and list(out) == ["last_hidden_state", "hidden_states"]
+    assert torch.equal(out.last_hidden_state, t * 2) and out[0] is out.last_hidden_state and out.attentions is None
+
+
+def test_tree_map_rebuilds_sequence_subclasses_faithfully():
+    class Labelled(list):
+        def __init__(self, label, items):
+            self.label = label
+            super().__init__(items)
+
+    class WithDefault(Pair):
+        def __new__(cls, a, b=0):
+            return super().__new__(cls, a, b)
+
+    t = torch.ones(2)
+    labelled = tree_map(lambda x: x * 2, Labelled("l", [t, 3]))
+    assert type(labelled) is Labelled and labelled.label == "l" and torch.equal(labelled[0], t * 2)
+    assert labelled[1] == 3
+    assert type(tree_map(lambda x: x * 2, WithDefault(t, 5))) is WithDefault
+    assert tree_map(lambda x: x, torch.Size([1000, 3])) == torch.Size([1000, 3])  # new int objects, equal values
+    top = tree_map(lambda x: x * 2, torch.max(torch.ones(2, 2), 0))
+    assert type(top).__name__ == "max" and torch.equal(top.values, t * 2)
+
+
+def test_tree_map_names_a_container_it_cannot_rebuild():
+    """A container the old code could not rebuild came back as something else (a plain dict) or raised TypeError."""
+
+    class Pairish(tuple):
+        def __new__(cls, a, b):
+            return super().__new__(cls, (a, b))
+
+    class Frozen(dict):
+        def __init__(self, name, items):
+            super().__init__(items)
+
+        def __setitem__(self, key, value):
+            raise TypeError("Frozen is read-only")
+
+    with pytest.raises(cg.InputError, match=r"cannot rebuild a .*Pairish \(a tuple subclass\)"):
+        tree_map(lambda x: x * 2, Pairish(torch.ones(1), 2))
+    with pytest.raises(cg.InputError, match=r"Frozen \(a dict subclass\).*read-only"):
+        tree_map(lambda x: x * 2, Frozen("f", {"a": torch.ones(1)}))
+
+
+class _Boxes:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class _Instances:
+    """detectron2's Instances in miniature: its only tensor sits in a Boxes object, inside a dict."""
+
+    def __init__(self, boxes):
+        self._fields, self.image_size = {"pred_boxes": boxes}, (4, 4)
+
+
+class _Slotted:
+    __slots__ = ("scores", "__private", "unset")
+
+    def __init__(self, scores, private):
+        self.scores, self.__private = scores, private
+
+
+def test_objects_reach_tensors_in_nested_objects_and_slots():
+    """objects=True looked one level down: an object whose tensors sat in a nested object (or whose class used
+    __slots__) came back as itself, so a break's static output still pointed at the capture's tensors."""
+    t = torch.ones(2)
+    inst = _Instances(_Boxes(t))
+    copied = tree_map(lambda x: x.clone(), inst, objects=True)
+    assert copied is not inst and copied._fields["pred_boxes"].tensor is not t
+    assert torch.equal(copied._fields["pred_boxes"].tensor, t) and copied.image_size == (4, 4)
+    assert [p for p, _ in tree_leaves(inst, objects=True)] == ["output._fields['pred_boxes'].tensor",
+                                                               "output.image_size[0]", "output.image_size[1]"]
+    slotted = _Slotted(t, _Boxes(t))
+    copied = tree_map(lambda x: x * 2, slotted, objects=True)
+    assert type(copied) is _Slotted and torch.equal(copied.scores, t * 2)
+    assert torch.equal(copied._Slotted__private.tensor, t * 2) and not hasattr(copied, "unset")
+    assert [p for p, _ in tree_leaves(slotted, objects=True)] == ["output.scores", "output._Slotted__private.tensor"]
+    no_tensor = _Boxes("not a tensor")
+    assert tree_map(lambda x: x * 2, no_tensor, objects=True) is no_tensor
+    assert tree_leaves(no_tensor, objects=True) == [("output", no_tensor)]
+
+
+def test_objects_refuse_a_cycle_through_tensors():
+    class Node:
+        def __init__(self):
+            self.me, self.value = self, torch.ones(1)
+
+    node = Node()
+    with pytest.raises(cg.InputError, match="Node whose attributes hold tensors refers back to itself"):
+        tree_map(lambda x: x * 2, node, objects=True)
+    assert [p for p, _ in tree_leaves(node, objects=True)] == ["output.me", "output.value"]  # the cycle: a leaf
+    harmless = _Boxes(None)
+    harmless.tensor = harmless  # a cycle that reaches no tensor leaves the object as it is
+    assert tree_map(lambda x: x * 2, harmless, objects=True) is harmless
+
+
+def test_objects_are_flattened_once():
+    """tree_leaves(objects=True), run on each break's outputs at every replay, walked an object's attributes twice:
+    once to decide whether they held tensors (holds_tensors), once to flatten them."""
+    walks = []
+
+    class Counted(list):
+        def __iter__(self):
+            walks.append(1)
+            return super().__iter__()
+
+    images = _Boxes(Counted([torch.ones(1), torch.ones(1)]))
+    assert len(tree_leaves(images, objects=True)) == 2
+    assert len(walks) == 1

@@ -208,3 +208,20 @@ def test_summarize_trials_rejects_bad_input():
         cg.summarize_trials(pd.concat([frame, frame]), "eager")
     with pytest.raises(cg.InputError, match="finite and > 0 ms"):
         cg.summarize_trials(_trial_frame([(0, "eager", 2.0), (0, "graph", 0.0)]), "eager")
+
+
+def test_host_us_per_call_times_the_calls_on_the_chosen_clock():
+    import time
+
+    from cgutils import host_us_per_call
+
+    calls = []
+    assert host_us_per_call(lambda: calls.append(1), calls=5, warmup=2) >= 0
+    assert len(calls) == 7  # warm-up calls run, untimed
+    slept = host_us_per_call(lambda: time.sleep(0.002), calls=3, warmup=0)
+    assert slept >= 1500  # the wall clock counts the sleep
+    assert host_us_per_call(lambda: time.sleep(0.002), calls=3, warmup=0, clock="thread") < slept / 2  # CPU time does not
+    with pytest.raises(cg.InputError, match="clock must be one of"):
+        host_us_per_call(lambda: None, clock="gpu")
+    with pytest.raises(cg.InputError, match="needs a callable"):
+        host_us_per_call(42)

@@ -332,7 +332,7 @@ def test_cuda_calls_without_cuda_activity_say_the_activity_was_not_recorded(tmp_
     """A trace with cudaGraphLaunch calls but no kernels (ProfilerActivity.CUDA left out) was called CPU-only."""
     events = [ev("cpu_op", "aten::mm", 0.0, 30.0), ev("cuda_runtime", "cudaGraphLaunch", 5.0, 4.0, correlation=3)]
     s = load_trace(write(tmp_path, {"traceEvents": events})).summary()
-    assert s.verdict.startswith("CUDA activity not recorded") and "ProfilerActivity.CUDA" in s.verdict
+    assert s.verdict.startswith("CUDA activity not recorded: 1 CUDA/HIP") and "ProfilerActivity.CUDA" in s.verdict
 
 
 def test_an_empty_trace_events_list_is_an_empty_trace(tmp_path):
