@@ -224,7 +224,8 @@ class Trace:
 
 
 def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
-    """Total length covered by a set of intervals (overlaps counted once)."""
+    """Total length covered by a set of intervals (overlaps counted once): ``starts`` and ``ends`` are 1-D arrays
+    of one length in one unit (a trace's µs); the result is in that unit."""
     if len(starts) == 0:
         return 0.0
     order = np.argsort(starts, kind="stable")
