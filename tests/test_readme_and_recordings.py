@@ -1,5 +1,6 @@
 """The committed recordings are current and the README shows exactly the recorded table."""
 
+import json
 import re
 
 from cgutils import env
@@ -10,10 +11,23 @@ README = env.REPO_ROOT / "README.md"
 
 
 def test_every_recorded_cell_is_current():
-    bad = [s for s in check_recordings(env.REPO_ROOT / "notebooks", ResultsStore("nvidia-h200",
-                                                                                 env.REPO_ROOT / "results"))
-           if s.status != "ok"]
+    """Every recording current, except the cells named in ``library_drift_waived.json`` (its ``why``): those may be
+    ``library``-stale through the one file named there and nothing else, and each waiver must still be needed."""
+    waived_file = env.REPO_ROOT / "results" / "nvidia-h200" / "library_drift_waived.json"
+    waived = {(w["notebook"], w["key"]): w["file"] for w in json.loads(waived_file.read_text())["cells"]} \
+        if waived_file.exists() else {}
+    statuses = check_recordings(env.REPO_ROOT / "notebooks", ResultsStore("nvidia-h200", env.REPO_ROOT / "results"))
+    bad, used = [], set()
+    for s in statuses:
+        if s.status == "ok":
+            continue
+        file = waived.get((s.notebook, s.key))
+        if s.status == "library" and file and f": {file}." in s.detail and s.detail.count("cgutils/") == 1:
+            used.add((s.notebook, s.key))
+            continue
+        bad.append(s)
     assert not bad, "\n".join(f"{s.notebook}/{s.key}: {s.status}: {s.detail}" for s in bad)
+    assert used == set(waived), f"waivers no longer needed, delete them from {waived_file}: {set(waived) - used}"
 
 
 def test_every_recorded_table_has_provenance():
