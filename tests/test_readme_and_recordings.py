@@ -5,6 +5,7 @@ import re
 
 from cgutils import env
 from cgutils.bench import markdown_table
+from cgutils.libcode import changed_files
 from cgutils.recorded import ResultsStore, check_recordings
 
 README = env.REPO_ROOT / "README.md"
@@ -16,15 +17,17 @@ def test_every_recorded_cell_is_current():
     waived_file = env.REPO_ROOT / "results" / "nvidia-h200" / "library_drift_waived.json"
     waived = {(w["notebook"], w["key"]): w["file"] for w in json.loads(waived_file.read_text())["cells"]} \
         if waived_file.exists() else {}
-    statuses = check_recordings(env.REPO_ROOT / "notebooks", ResultsStore("nvidia-h200", env.REPO_ROOT / "results"))
+    store = ResultsStore("nvidia-h200", env.REPO_ROOT / "results")
     bad, used = [], set()
-    for s in statuses:
+    for s in check_recordings(env.REPO_ROOT / "notebooks", store):
         if s.status == "ok":
             continue
         file = waived.get((s.notebook, s.key))
-        if s.status == "library" and file and f": {file}." in s.detail and s.detail.count("cgutils/") == 1:
-            used.add((s.notebook, s.key))
-            continue
+        if s.status == "library" and file:
+            library = json.loads(store.cell_path(s.notebook, s.key).read_text()).get("library")
+            if library is not None and changed_files(library) == [file]:
+                used.add((s.notebook, s.key))
+                continue
         bad.append(s)
     assert not bad, "\n".join(f"{s.notebook}/{s.key}: {s.status}: {s.detail}" for s in bad)
     assert used == set(waived), f"waivers no longer needed, delete them from {waived_file}: {set(waived) - used}"
