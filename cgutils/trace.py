@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from .checks import first_line
-from .errors import TraceFormatError
+from .errors import InputError, TraceFormatError
 
 # Kineto category names, current and older spellings, mapped to our tables.
 _CATEGORY = {
@@ -42,9 +42,15 @@ _CATEGORY = {
 
 
 def is_graph_launch(names: pd.Series) -> pd.Series:
-    """Which runtime/driver call names launch a graph (bool Series, same index): ``cudaGraphLaunch``,
-    ``cuGraphLaunch``, ``hipGraphLaunch`` and their per-thread default-stream forms (``cudaGraphLaunch_ptsz``,
-    ``hipGraphLaunch_spt``). The one rule for every count of graph launches in cgutils."""
+    """Which runtime/driver call names launch a graph (bool Series, same index; a list or array becomes a Series):
+    every name containing ``GraphLaunch``, which covers ``cudaGraphLaunch``, ``cuGraphLaunch``, ``hipGraphLaunch``,
+    their per-thread default-stream forms (``cudaGraphLaunch_ptsz``, ``hipGraphLaunch_spt``) and versioned ones
+    (``cudaGraphLaunch_v10000``). The one rule for every count of graph launches in cgutils."""
+    if isinstance(names, str):
+        raise InputError(f"is_graph_launch takes a Series (or list) of call names, not one string: "
+                         f"pass [{names!r}]")
+    if not isinstance(names, pd.Series):
+        names = pd.Series(list(names))
     return names.astype(str).str.contains("GraphLaunch", regex=False)
 
 _COLUMNS = {
@@ -225,7 +231,22 @@ class Trace:
 
 def union_length(starts: np.ndarray, ends: np.ndarray) -> float:
     """Total length covered by a set of intervals (overlaps counted once): ``starts`` and ``ends`` are 1-D arrays
-    of one length in one unit (a trace's µs); the result is in that unit."""
+    (or lists, Series) of one length in one unit (a trace's µs); the result is in that unit.
+
+    Raises:
+        InputError: not 1-D numbers of equal length, a NaN or infinite bound, or an end before its start.
+    """
+    try:
+        starts, ends = np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"union_length needs numeric starts and ends (µs): {exc}") from None
+    if starts.ndim != 1 or starts.shape != ends.shape:
+        raise InputError(f"union_length needs two 1-D arrays of one length; got shapes {starts.shape} and {ends.shape}")
+    if not (np.isfinite(starts).all() and np.isfinite(ends).all()):
+        raise InputError("union_length: a start or end is NaN or infinite; drop those intervals first")
+    if (ends < starts).any():
+        i = int(np.argmax(ends < starts))
+        raise InputError(f"union_length: interval {i} ends ({ends[i]}) before it starts ({starts[i]})")
     if len(starts) == 0:
         return 0.0
     order = np.argsort(starts, kind="stable")

@@ -338,3 +338,22 @@ def test_cuda_calls_without_cuda_activity_say_the_activity_was_not_recorded(tmp_
 def test_an_empty_trace_events_list_is_an_empty_trace(tmp_path):
     t = load_trace(write(tmp_path, {"traceEvents": []}))
     assert t.summary().verdict == "empty trace" and t.kernels.empty
+
+
+def test_union_length_and_is_graph_launch_refuse_bad_input():
+    """A new user got raw numpy/pandas errors, and -4.0 for an end before its start, before these checks."""
+    import numpy as np
+    import pandas as pd
+
+    from cgutils.errors import InputError
+    from cgutils.trace import is_graph_launch, union_length
+
+    assert union_length([0, 2], [3, 4]) == 4.0  # lists work
+    for bad in (([5.0], [1.0]), ([0.0, np.nan], [1.0, 2.0]), ([0.0, 1.0], [2.0]), (np.zeros((2, 2)), np.ones((2, 2))),
+                (["a"], ["b"])):
+        with pytest.raises(InputError):
+            union_length(*bad)
+    assert is_graph_launch(["cudaGraphLaunch", "cudaLaunchKernel"]).tolist() == [True, False]
+    assert is_graph_launch(pd.Series(["cuGraphLaunch_ptsz"], index=[7])).index.tolist() == [7]
+    with pytest.raises(InputError):
+        is_graph_launch("cudaGraphLaunch")
