@@ -11,17 +11,19 @@ and 8. Three routes:
 For each: ms per decode step (a step yields one token per batch row) as the median and p10/p90 across
 interleaved trials (the route order rotates every trial; graph routes: CUDA events around the 127 replays
 after a prefill); the tokens of one generation, compared between routes (equal, or the first differing
-step); kernels and GPU-busy µs per step by kernel class from ``torch.profiler`` (CUDA activity) over a
+step, and there, for the first row that differs, each route's top-2 logit margin in fp32, so that a near-tie
+shows as one); kernels and GPU-busy µs per step by kernel class from ``torch.profiler`` (CUDA activity) over a
 few replays; and the floor: weight bytes plus the keys/values of positions ``0..pos`` (averaged over the
 steps), over the device-to-device bandwidth of a 1 GiB ``copy_`` (read + write bytes) timed by CUDA events.
 Each route's ratio to that floor. A route that fails is recorded with its error; the others go on.
 
     python benchmarks/decode_floor.py --out DIR [--trials 9] [--batches 1 8] [--routes plain fused hf]
+                                      [--tuning DIR/tune_fused_gemv.json]   # the fused route's launch shapes
     python benchmarks/decode_floor.py --smoke --out DIR   # CPU, Triton's interpreter, a tiny GPT-2
 
 Writes ``DIR/decode_floor.json`` (provenance: versions, GPU, ``CGUTILS_GIT_COMMIT``) and prints a summary.
 ``--smoke`` checks the script end to end without a GPU: eager steps, no graphs, no CUDA profile; its
-timings mean nothing.
+timings mean nothing. Its routes agree, so it records fused_vs_plain's margins at step 1 anyway (``"probe": true``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cgutils.env import provenance  # noqa: E402
+from cgutils.errors import InputError  # noqa: E402
 from cgutils.generation import StaticKVState, fused_step, hf_generate  # noqa: E402
 from cgutils.generation.fused_step import FusedKVState, greedy_tokens  # noqa: E402
 
@@ -89,6 +92,20 @@ def copy_bandwidth(cuda: bool) -> dict:
         dst.copy_(src)
     ms = float(np.median([elapsed_ms(lambda: dst.copy_(src), cuda) for _ in range(5)]))
     return {"bytes_copied": n, "ms": ms, "GBps_read_plus_write": 2 * n / (ms * 1e-3) / 1e9}
+
+
+def load_tuning(text: str | None) -> dict:
+    """The fused route's table: from a file (tune_fused_gemv.json: its ``merged_tuning``) or JSON text, checked
+    and completed by ``fused_step.check_tuning``; ``None``: the module's TUNING."""
+    if text is None:
+        return fused_step.check_tuning()
+    path = Path(text)
+    if not path.exists() and not text.lstrip().startswith("{"):
+        raise OSError("no such file, and not a JSON mapping")
+    data = json.loads(path.read_text() if path.exists() else text)
+    if isinstance(data, dict) and "merged_tuning" in data:
+        data = data["merged_tuning"]
+    return fused_step.check_tuning(data)
 
 
 def build_model(smoke: bool):
@@ -141,6 +158,23 @@ class GraphRoute:
                 self.step()
 
         return elapsed_ms(steps, self.cuda) / (self.n - 1)
+
+    def logits_at(self, step: int) -> torch.Tensor:
+        """fp32 logits (batch, vocab) behind generated token ``step`` (0: the prefill's) of a generation as in
+        :meth:`tokens`: the prefill's logits, or ``step - 1`` steps and then the step itself, whose logits are
+        the fused state's ``last_logits``; the plain state runs its step's ops once eagerly (the same kernels
+        as its graph) at that position."""
+        st, T = self.state, self.prompt.shape[1]
+        with torch.no_grad():
+            if step == 0:  # both states prefill through StaticKVState.logits
+                return st.logits(self.prompt, st.key_pos[:T])[:, -1].float()
+            st.prefill(self.prompt)
+            for _ in range(step - 1):
+                self.step()
+            if isinstance(st, FusedKVState):
+                self.step()
+                return st.last_logits.clone()
+            return st.logits(st.token, st.pos)[:, -1].float()
 
     def profiled(self, reps: int = 5):
         with torch.no_grad():
@@ -216,6 +250,31 @@ def compare_tokens(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> dict:
             "same_fraction": float(1 - diff.float().mean())}
 
 
+def margins_at(routes: dict, toks: dict, ref: str, other: str, step: int, row: int, prompt_len: int) -> dict:
+    """Where two routes' tokens first differ (generated token ``step`` of batch row ``row``): each route's top-2
+    logits there as fp32 (plain: the model's fp16 logits; fused: its fp32 ones), their margin, and its own
+    token's logit minus the other route's token's; small margins on both sides mean a near-tie that rounding
+    can tip. transformers' route keeps no logits."""
+    out: dict = {"step": step, "row": row, "reference": ref, "routes": {}}
+    chosen = {n: int(toks[n][row, prompt_len + step]) for n in (ref, other)}
+    for name, rival in ((ref, other), (other, ref)):
+        route = routes.get(name)
+        if not isinstance(route, GraphRoute):
+            out["routes"][name] = {"token": chosen[name], "note": "no logits (transformers' generate, or the route failed)"}
+            continue
+        try:
+            lg = route.logits_at(step)[row].float().cpu()
+        except Exception as exc:
+            out["routes"][name] = {"token": chosen[name], "error": error_text(exc)}
+            continue
+        val, ids = lg.topk(2)
+        out["routes"][name] = {"token": chosen[name], "recomputed_argmax": int(lg.argmax()),
+                               "top2_ids": ids.tolist(), "top2_logits": val.tolist(),
+                               "top2_margin": float(val[0] - val[1]),
+                               "own_minus_rival_token": float(lg[chosen[name]] - lg[chosen[rival]])}
+    return out
+
+
 def run_batch(model, batch: int, args, cuda: bool, bw: dict | None) -> dict:
     cfg = model.config
     prompt = torch.randint(0, cfg.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
@@ -232,7 +291,7 @@ def run_batch(model, batch: int, args, cuda: bool, bw: dict | None) -> dict:
             if name == "plain":
                 routes[name] = GraphRoute(StaticKVState(model, batch, max_len), prompt, args.new_tokens, cuda)
             elif name == "fused":
-                state = FusedKVState(model, batch, max_len)
+                state = FusedKVState(model, batch, max_len, tuning=args.tuning_table)
                 rec["kernels_per_step_launched"] = state.kernels_per_step
                 routes[name] = GraphRoute(state, prompt, args.new_tokens, cuda)
             else:
@@ -278,6 +337,13 @@ def run_batch(model, batch: int, args, cuda: bool, bw: dict | None) -> dict:
     toks = {n: r.pop("tokens") for n, r in out["routes"].items() if "tokens" in r}
     out["tokens"] = {f"{a}_vs_{b}": compare_tokens(toks[a], toks[b], args.prompt_len)
                      for a, b in (("fused", "plain"), ("plain", "hf"), ("fused", "hf")) if a in toks and b in toks}
+    for key, cmp in out["tokens"].items():
+        other, ref = key.split("_vs_")  # the second route of a pair is the reference
+        probe = args.smoke and key == "fused_vs_plain" and cmp.get("equal") and args.new_tokens > 1  # the path runs
+        if "first_differing_step" in cmp or probe:
+            step, row = (cmp["first_differing_step"], cmp["rows_differing_there"][0]) if not probe else (1, 0)
+            cmp["margins"] = margins_at(routes, toks, ref, other, step, row, args.prompt_len)
+            cmp["margins"]["probe"] = bool(probe)
     return out
 
 
@@ -304,6 +370,12 @@ def summary(result: dict) -> str:
             lines.append(f"  tokens {k}: " + ("equal" if v["equal"] else
                                                f"differ from step {v.get('first_differing_step')} "
                                                f"(rows {v.get('rows_differing_there')}, {v.get('same_fraction', 0):.0%} same)"))
+            mg = v.get("margins")
+            for name, m in (mg or {}).get("routes", {}).items():
+                at = f"step {mg['step']} row {mg['row']}" + (" (probe)" if mg.get("probe") else "")
+                lines.append(f"    {name:6s} at {at}: token {m['token']}, " + (
+                    f"top-2 margin {m['top2_margin']:.4g} (ids {m['top2_ids']}), own - rival {m['own_minus_rival_token']:.4g}"
+                    if "top2_margin" in m else m.get("note") or m.get("error", "?").splitlines()[0]))
     return "\n".join(lines)
 
 
@@ -315,8 +387,15 @@ def main() -> None:
     ap.add_argument("--routes", nargs="+", choices=("plain", "fused", "hf"), default=["plain", "fused", "hf"])
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32; smoke 6)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 128; smoke 4)")
+    ap.add_argument("--tuning", default=None,
+                    help="the fused route's launch shapes: tune_fused_gemv.json (its merged_tuning) or a JSON mapping "
+                         "{role: [BN, BK, split, stages, warps]}; roles left out, or no --tuning: fused_step.TUNING")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny GPT-2: checks the script")
     args = ap.parse_args()
+    try:
+        args.tuning_table = load_tuning(args.tuning)
+    except (OSError, ValueError, InputError) as exc:
+        sys.exit(f"--tuning {args.tuning!r}: {exc}")
     s = args.smoke
     args.trials = args.trials or (2 if s else 9)
     args.batches = args.batches or ([1, 2] if s else [1, 8])
@@ -332,7 +411,8 @@ def main() -> None:
         except importlib.metadata.PackageNotFoundError:
             prov[dist] = None
     result: dict = {"provenance": prov, "smoke": s, "args": {k: str(v) for k, v in vars(args).items()},
-                    "fused_tuning": {k: list(v) for k, v in fused_step.TUNING.items()}, "batches": []}
+                    "fused_tuning": {k: list(v) for k, v in args.tuning_table.items()},
+                    "fused_tuning_from": args.tuning or "fused_step.TUNING", "batches": []}
     log(f"{prov.get('gpu') or 'CPU (smoke)'}, torch {prov['torch']}, triton {prov['triton']}")
     try:
         result["copy_bandwidth"] = copy_bandwidth(cuda)

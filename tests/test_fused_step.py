@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,116 @@ def test_bad_requests_raise_input_error(monkeypatch):
         fs.FusedKVState(model, 1, 8)
 
 
+def _small_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_head=2, n_layer=1, n_positions=16, vocab_size=50)).eval()
+
+
+@pytest.mark.parametrize("tuning, message", [
+    ({"qkvv": (32, 256, 1, 3, 4)}, r"unknown role 'qkvv'; the roles are qkv, proj, fc, proj2, lm_head"),
+    ({"qkv": (48, 256, 1, 3, 4)}, r"tuning\['qkv'\] field BN must be a power of two >= 16"),
+    ({"fc": (32, 8, 1, 3, 4)}, r"tuning\['fc'\] field BK must be a power of two >= 16"),
+    ({"proj2": (32, 256, 0, 3, 4)}, r"tuning\['proj2'\] field split must be an int >= 1"),
+    ({"lm_head": (128, 64, 2, 3, 4)}, r"tuning\['lm_head'\] field split .*1 for lm_head, got 2"),
+    ({"proj": (32, 64, 12, 0, 4)}, r"tuning\['proj'\] field stages must be an int >= 1"),
+    ({"qkv": (32, 256, 1, 3, 3)}, r"tuning\['qkv'\] field warps must be a power of two 1..32"),
+    ({"qkv": (32, 256, 1, 3, 64)}, r"tuning\['qkv'\] field warps"),
+    ({"qkv": (32, 256, 1, 3)}, r"tuning\['qkv'\] must be five ints"),
+    ({"fc": (32, 256, 1.0, 3, 4)}, r"tuning\['fc'\] must be five ints"),
+    ({"fc": (32, 256, True, 3, 4)}, r"tuning\['fc'\] must be five ints"),
+    ({"proj": "32,64,12,2,4"}, r"tuning\['proj'\] must be five ints"),
+    ([("qkv", (32, 256, 1, 3, 4))], r"tuning must be a mapping"),
+])
+def test_a_bad_tuning_raises_input_error_naming_role_and_field(monkeypatch, tuning, message):
+    import cgutils.generation.fused_step as fs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    before = dict(fs.TUNING)
+    with pytest.raises(InputError, match=message):
+        fs.FusedKVState(_small_gpt2(), 1, 8, tuning=tuning)
+    assert fs.TUNING == before
+
+
+def test_a_tuning_keyword_applies_to_that_state_only(monkeypatch):
+    """The search runs candidates in one process: a table passed to one state, the module's TUNING untouched;
+    roles left out take TUNING's; launch_shapes shows the clamped launch (n_embd 32: BK 32, one split)."""
+    import cgutils.generation.fused_step as fs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model, before = _small_gpt2(), dict(fs.TUNING)
+    state = fs.FusedKVState(model, 2, 8, tuning={"qkv": [16, 64, 2, 2, 4], "lm_head": (64, 32, 1, 2, 8)})
+    assert fs.TUNING == before
+    assert state.tuning == {**before, "qkv": (16, 64, 2, 2, 4), "lm_head": (64, 32, 1, 2, 8)}
+    assert state.launch_shapes["qkv"] == dict(BN=16, BK=32, KSTEP=32, KPER=32, SPLIT=1, num_stages=2, num_warps=4,
+                                              grid=(6, 1))
+    assert state.launch_shapes["lm_head"]["grid"] == (1, 1) and state.launch_shapes["lm_head"]["num_warps"] == 8
+    default = fs.FusedKVState(model, 2, 8)
+    assert default.tuning == fs.check_tuning() == before and default.kernels_per_step == state.kernels_per_step
+
+
+def _tune_script():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_fused_gemv.py"
+    spec = importlib.util.spec_from_file_location("tune_fused_gemv", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_search_never_chooses_changed_tokens_and_needs_a_real_gain():
+    tune = _tune_script()
+    ms = lambda v: {"median": v}  # noqa: E731
+    recs = [{"status": "ok", "current": True, "ms_per_step": ms(0.370)},
+            {"status": "tokens differ", "ms_per_step": ms(0.300)}, {"status": "error"}, {"status": "invalid"},
+            {"status": "ok", "ms_per_step": ms(0.3695)}]  # 0.5 us faster: noise
+    assert tune.choose(recs, min_gain_us=1.0) == 0
+    recs.append({"status": "ok", "ms_per_step": ms(0.360)})
+    assert tune.choose(recs, min_gain_us=1.0) == 5
+    a, b, cur = tune.DEFAULT["fc"], (16, 256, 1, 3, 4), (32, 128, 2, 3, 4)
+
+    def batch(da, db, dc_status):
+        rows = [{"tuning": list(a), "status": "ok", "delta_us_per_step": 0.0},
+                {"tuning": list(b), "status": "ok", "delta_us_per_step": da},
+                {"tuning": list(cur), "status": dc_status, "delta_us_per_step": db - 1.0}]
+        return {"roles": {"fc": {"candidates": rows}}}
+
+    merged, table = tune.merge([batch(-3.0, -2.0, "ok"), batch(+2.0, -2.0, "tokens differ")], 1.0)
+    assert merged["fc"] == a  # b: 1 us gained in all, not over 1 us a batch; cur (6 us) changed tokens once
+    assert [r["tuning"] for r in table["fc"]] == [list(b), list(a)]
+    merged, _ = tune.merge([batch(-5.0, 0, "ok"), batch(-1.0, 0, "ok")], 1.0)
+    assert merged["fc"] == b and merged["qkv"] == tune.DEFAULT["qkv"]
+
+
+def test_tune_fused_gemv_smoke_runs_end_to_end(tmp_path):
+    """--smoke: CPU, the interpreter, a tiny GPT-2, two candidates per role (here one role, for time) plus a
+    split-K one and a bad one from --candidates, which is recorded as invalid and not chosen."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "tune_fused_gemv.py"), "--smoke", "--out",
+                           str(tmp_path), "--batches", "1", "2", "--roles", "qkv",
+                           "--candidates", "qkv=48,256,1,3,4", "qkv=16,32,2,2,4"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TUNING = {" in proc.stdout
+    res = json.loads((tmp_path / "tune_fused_gemv.json").read_text())
+    assert res["smoke"] and res["provenance"]["torch"] and "git_commit" in res["provenance"]
+    for b in ("1", "2"):
+        roles = res["search"][b]["roles"]
+        assert list(roles) == ["qkv"]
+        qkv = {tuple(c["tuning"]): c for c in roles["qkv"]["candidates"]}
+        assert len(qkv) == 4 and qkv[(32, 256, 1, 3, 4)].get("current")
+        bad = qkv[(48, 256, 1, 3, 4)]
+        assert bad["status"] == "invalid" and "field BN" in bad["error"] and not bad.get("chosen")
+        split = qkv[(16, 32, 2, 2, 4)]
+        assert split["status"] == "ok" and split["launch"]["SPLIT"] == 2 and split["tokens"]["window"]["equal"]
+        for role in roles.values():
+            assert sum(bool(c.get("chosen")) for c in role["candidates"]) == 1
+            assert all("ms_per_step" in c for c in role["candidates"] if c["status"] == "ok")
+        assert set(res["best_tuning"][b]) == {"qkv", "proj", "fc", "proj2", "lm_head"}
+        assert res["final"][b]["configs"][0]["names"][0] == "default"
+    assert set(res["merged_tuning"]) == {"qkv", "proj", "fc", "proj2", "lm_head"}
+
+
 # ---- the child: run with TRITON_INTERPRET=1 set before triton is imported ----
 
 def _tiny():
@@ -120,10 +231,8 @@ def _compare_steps(batch: int, steps: int, **kw) -> None:
 
 
 def _batch3_split_k() -> None:
-    import cgutils.generation.fused_step as fs
-
-    fs.TUNING.update(qkv=(16, 32, 2, 2, 4), fc=(16, 16, 4, 1, 4), proj=(16, 16, 4, 1, 4), proj2=(32, 64, 4, 2, 4))
-    _compare_steps(3, 4, attn_block=8, max_splits=4)
+    tuning = dict(qkv=(16, 32, 2, 2, 4), fc=(16, 16, 4, 1, 4), proj=(16, 16, 4, 1, 4), proj2=(32, 64, 4, 2, 4))
+    _compare_steps(3, 4, attn_block=8, max_splits=4, tuning=tuning)
 
 
 def _greedy_loop() -> None:
@@ -142,7 +251,7 @@ if __name__ == "__main__":
 
     warnings.simplefilter("ignore")
     checks = {"decode_batch1": lambda: _compare_steps(1, 5, attn_block=8, max_splits=2),
-              "greedy_loop": _greedy_loop, "decode_batch3": _batch3_split_k}  # the last changes TUNING
+              "greedy_loop": _greedy_loop, "decode_batch3": _batch3_split_k}
     with torch.no_grad():
         for name, fn in checks.items():
             try:

@@ -26,9 +26,11 @@ first imported: Triton's interpreter then runs the same kernels with numpy (slow
 """
 
 import os
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..checks import is_int
 from ..errors import InputError
 from .request import check_gpt2
 from .static_kv import StaticKVState
@@ -276,19 +278,54 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 
 # Launch shapes per matrix, (BN output columns, BK rows per step, K splits, pipeline stages, warps): for each
-# matrix the fastest of a few alternatives tried one at a time on an H200 (GPT-2 small, fp16, batch 1 and 8).
+# matrix the fastest of a few alternatives tried one at a time on an H200 (GPT-2 small, fp16, batch 1 and 8);
+# benchmarks/tune_fused_gemv.py searches them (FusedKVState's ``tuning=`` takes a table without editing this one).
 # At batch 1-8 each matrix-vector moves 1-5 MB and is latency-bound: what pays is enough programs in flight
 # (132 SMs) and W loads pipelined across K steps; one K step over the whole row (BK = 1024, 8 warps) was slower.
 # "qkv"/"fc": LayerNorm in front; "proj": attention output projection (BK is one head, the split is over
 # heads); "proj2": the MLP down-projection (K = 4 * n_embd); "lm_head": (BN vocabulary rows, BK, 1, ...).
 TUNING = {"qkv": (32, 256, 1, 3, 4), "fc": (32, 256, 1, 3, 4), "proj": (32, 64, 12, 2, 4),
           "proj2": (32, 256, 4, 3, 4), "lm_head": (128, 64, 1, 3, 4)}
+ROLES = ("qkv", "proj", "fc", "proj2", "lm_head")  # the matrices, in the order a layer runs them
+_RULES = {  # field: (its test, given the value and the role; what it must be)
+    "BN": (lambda v, r: v >= 16 and not v & (v - 1), "a power of two >= 16 (columns per program; tl.dot's smallest tile)"),
+    "BK": (lambda v, r: v >= 16 and not v & (v - 1), "a power of two >= 16 (rows per K step; proj's is one head whatever BK)"),
+    "split": (lambda v, r: v >= 1 and (r != "lm_head" or v == 1), "an int >= 1 (programs sharing K), 1 for lm_head"),
+    "stages": (lambda v, r: v >= 1, "an int >= 1 (pipeline stages)"),
+    "warps": (lambda v, r: 1 <= v <= 32 and not v & (v - 1), "a power of two 1..32 (num_warps)")}
 
 
-def _gemv_shape(role: str, K: int, N: int, kstep: int | None = None) -> tuple[int, int, int, int, int, int, int]:
-    """(BN, BK, KSTEP, KPER, SPLIT, stages, warps) of one matrix-vector, clamped to the matrix (>= 16 for
-    tl.dot); ``kstep``: rows per K step when fixed by the input (one attention head)."""
-    bn, bk, split, stages, warps = TUNING[role]
+def check_tuning(tuning: Mapping | None = None) -> dict[str, tuple[int, int, int, int, int]]:
+    """``tuning`` (default: :data:`TUNING` as it is now) checked and completed: ``{role: (BN, BK, split,
+    stages, warps)}`` for every role of :data:`ROLES`; a role that ``tuning`` leaves out takes TUNING's.
+
+    Raises:
+        InputError: naming the role and field: not a mapping, an unknown role, a value not five ints, a field
+            out of its range (``_RULES``; lm_head's split must be 1: its kernel has no split over K).
+    """
+    tuning = TUNING if tuning is None else tuning
+    if not isinstance(tuning, Mapping):
+        raise InputError(f"tuning must be a mapping {{role: (BN, BK, split, stages, warps)}}, got {type(tuning).__name__}")
+    for role in tuning:
+        if role not in ROLES:
+            raise InputError(f"tuning has an unknown role {role!r}; the roles are {', '.join(ROLES)}")
+    out = {}
+    for role in ROLES:
+        spec = tuning.get(role, TUNING[role])
+        if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence) or len(spec) != 5 \
+                or not all(is_int(v) for v in spec):
+            raise InputError(f"tuning[{role!r}] must be five ints (BN, BK, split, stages, warps), got {spec!r}")
+        for (field, (test, what)), v in zip(_RULES.items(), spec):
+            if not test(v, role):
+                raise InputError(f"tuning[{role!r}] field {field} must be {what}, got {v!r}")
+        out[role] = tuple(spec)
+    return out
+
+
+def _gemv_shape(spec: tuple, K: int, N: int, kstep: int | None = None) -> tuple[int, int, int, int, int, int, int]:
+    """(BN, BK, KSTEP, KPER, SPLIT, stages, warps) of one matrix-vector from its ``spec`` (a TUNING value),
+    clamped to the matrix (>= 16 for tl.dot); ``kstep``: rows per K step when fixed by the input (one head)."""
+    bn, bk, split, stages, warps = spec
     bn = max(16, min(bn, _pow2(N)))
     bk = max(16, _pow2(kstep) if kstep else min(bk, _pow2(K)))
     kstep = kstep or bk
@@ -312,7 +349,8 @@ class FusedKVState(StaticKVState):
     fp32 scratch: per batch row ``2 * n_embd + n_inner + vocab`` values, the attention partials
     (``heads * splits * (head_dim + 2)``) and the lm_head's per-program maxima, about 0.25 MB per row for
     GPT-2 small; plus a split-K workspace (about 0.6 MB with the default :data:`TUNING`) and int32
-    counters, whatever the batch.
+    counters, whatever the batch. ``launch_shapes`` gives each role's clamped launch (BN, BK, KSTEP, KPER,
+    SPLIT, num_stages, num_warps, grid) and ``tuning`` the table it came from.
 
     Args:
         model: a transformers ``GPT2LMHeadModel`` (fp16, bf16 or fp32) on a CUDA device, or on the CPU
@@ -321,6 +359,8 @@ class FusedKVState(StaticKVState):
         max_len: cache positions (<= ``n_positions``).
         attn_block: keys per attention block (a power of two); ``max_splits``: at most this many
             programs share the keys of one (row, head), each over ``ceil(blocks / splits)`` blocks.
+        tuning: ``{role: (BN, BK, split, stages, warps)}``, roles left out (all, by default) taking :data:`TUNING`'s
+            at construction: the speed, and through the order of fp32 sums the logits' last bits.
 
     Buffers added to :class:`StaticKVState`'s: ``last_logits`` (batch, vocab) fp32, the logits of the
     last decode step; the rest is scratch.
@@ -328,11 +368,11 @@ class FusedKVState(StaticKVState):
     Raises:
         InputError: triton missing; a model that is not GPT-2, on the CPU without the interpreter, in an
             unsupported dtype or with a non-contiguous parameter; batch outside 1..14; ``max_len`` too
-            large; ``attn_block`` not a power of two.
+            large; ``attn_block`` not a power of two; a bad ``tuning`` (:func:`check_tuning`).
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, *, attn_block: int = 32,
-                 max_splits: int = 8):
+                 max_splits: int = 8, tuning: Mapping | None = None):
         if triton is None:
             raise InputError("the fused decode step needs Triton (pip install triton; it ships with CUDA "
                              "builds of torch); StaticKVState runs the same decoding without it")
@@ -341,7 +381,9 @@ class FusedKVState(StaticKVState):
             raise InputError(f"FusedKVState takes batch 1..{MAX_BATCH} (one 16-row MMA tile), got {batch}")
         if attn_block < 2 or attn_block & (attn_block - 1) or max_splits < 1:
             raise InputError(f"attn_block must be a power of two >= 2 and max_splits >= 1, got {attn_block}, {max_splits}")
+        tuning = check_tuning(tuning)
         super().__init__(model, batch, max_len)
+        self.tuning = tuning
         p = self.kv_cache
         if p.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise InputError(f"FusedKVState supports fp16, bf16 and fp32 models, got {p.dtype}")
@@ -359,7 +401,7 @@ class FusedKVState(StaticKVState):
         nblocks = _cdiv(max_len, attn_block)
         bps = _cdiv(nblocks, min(nblocks, max_splits))
         nsplit = _cdiv(nblocks, bps)
-        bn_lm, bk_lm, _, _, _, st_lm, nw_lm = _gemv_shape("lm_head", C, V)
+        bn_lm, bk_lm, _, _, _, st_lm, nw_lm = _gemv_shape(tuning["lm_head"], C, V)
         nprog = _cdiv(V, bn_lm)
         for name, shape in (("_x", (B, C)), ("_q", (B, C)), ("_h", (B, F)), ("last_logits", (B, V)),
                             ("_part", (B * H * nsplit, D + 2)), ("_best_val", (B, nprog))):
@@ -374,7 +416,10 @@ class FusedKVState(StaticKVState):
         if model.lm_head.weight.shape != (V, C):
             raise InputError(f"lm_head weight must be (vocab, n_embd) = {(V, C)}, got {tuple(model.lm_head.weight.shape)}")
         dims = {"qkv": (C, 3 * C), "proj": (C, C), "fc": (C, F), "proj2": (F, C)}
-        shapes = {r: _gemv_shape(r, K, N, D if r == "proj" else None) for r, (K, N) in dims.items()}
+        shapes = {r: _gemv_shape(tuning[r], K, N, D if r == "proj" else None) for r, (K, N) in dims.items()}
+        keys = ("BN", "BK", "KSTEP", "KPER", "SPLIT", "num_stages", "num_warps")
+        self.launch_shapes = {r: {**dict(zip(keys, sh)), "grid": (_cdiv(dims[r][1], sh[0]), sh[4])} for r, sh in shapes.items()}
+        self.launch_shapes["lm_head"] = {**dict(zip(keys, (bn_lm, bk_lm, bk_lm, C, 1, st_lm, nw_lm))), "grid": (nprog, 1)}
         # split-K workspace and arrival counters, shared by the matrix-vectors (they run one after another and
         # leave the counters at 0)
         tiles = max(_cdiv(dims[r][1], sh[0]) * sh[4] for r, sh in shapes.items())
