@@ -184,11 +184,12 @@ def test_tune_fused_gemv_smoke_runs_end_to_end(tmp_path):
     assert "TUNING = {" in proc.stdout
     res = json.loads((tmp_path / "tune_fused_gemv.json").read_text())
     assert res["smoke"] and res["provenance"]["torch"] and "git_commit" in res["provenance"]
+    current = tuple(res["default_tuning"]["qkv"])  # the module's TUNING when the sweep ran
     for b in ("1", "2"):
         roles = res["search"][b]["roles"]
         assert list(roles) == ["qkv"]
         qkv = {tuple(c["tuning"]): c for c in roles["qkv"]["candidates"]}
-        assert len(qkv) == 4 and qkv[(32, 256, 1, 3, 4)].get("current")
+        assert len(qkv) == 4 and qkv[current].get("current")
         bad = qkv[(48, 256, 1, 3, 4)]
         assert bad["status"] == "invalid" and "field BN" in bad["error"] and not bad.get("chosen")
         split = qkv[(16, 32, 2, 2, 4)]

@@ -239,3 +239,16 @@ def test_a_break_called_first_leaves_the_pool_and_the_process_usable():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, x + 1)
+
+
+def test_auto_break_runners_replay_after_later_captures_in_a_process_of_their_own():
+    """Three breaks='auto' runners of BERT-base built one after another, then replayed in turns: the first runner's
+    replay hit an illegal memory access (its pieces used the cuBLAS workspace of a freed throw-away pool; notebook
+    09 on the H200). In its own process: such a fault poisons the CUDA context."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent / "gpu_cases" / "auto_breaks_workspace.py"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "REPLAYS OK" in run.stdout, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-4000:]}"

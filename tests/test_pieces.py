@@ -435,3 +435,34 @@ def test_auto_names_the_submodule_method_the_top_level_forward_called():
     except RuntimeError as exc:
         found = submodule_method(exc, BreakPlan(net, "auto"))
     assert found == (net.transform, "postprocess")  # the call the top-level code made, not its helper
+
+
+def test_auto_breaks_drop_cublas_workspaces_between_the_throw_away_and_the_final_capture(monkeypatch):
+    """The throw-away captures of breaks='auto' made cuBLAS's workspace in their own pools: the final capture must
+    not find it cached (it replayed into freed memory: an illegal memory access in notebook 09 on the H200)."""
+    from cgutils.capture import piecewise
+    from cgutils.capture.breakplan import BreakPlan
+
+    events = []
+
+    class FakeCapture:
+        def __init__(self, plan, pool, stream, keep_graph=False):
+            self.pool, self.result = pool, "graph"
+
+        def run(self, fn):
+            events.append(("capture", self.pool))
+            return fn()
+
+        def abandon(self):
+            events.append(("abandon", self.pool))
+
+    pools = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("throw-away", next(pools)))
+    monkeypatch.setattr(piecewise, "PieceCapture", FakeCapture)
+    monkeypatch.setattr(piecewise, "_drop_cublas_workspaces", lambda: events.append(("drop workspaces",)))
+    model = nn.Linear(2, 2)
+    graph, out = piecewise.capture_pieces(lambda: "out", BreakPlan(model, "auto"), ("final", 0), stream=None)
+    assert (graph, out) == ("graph", "out")
+    assert events == [("drop workspaces",), ("capture", ("throw-away", 0)), ("drop workspaces",),
+                      ("capture", ("final", 0))]

@@ -278,14 +278,14 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 
 # Launch shapes per matrix, (BN output columns, BK rows per step, K splits, pipeline stages, warps): for each
-# matrix the fastest of a few alternatives tried one at a time on an H200 (GPT-2 small, fp16, batch 1 and 8);
-# benchmarks/tune_fused_gemv.py searches them (FusedKVState's ``tuning=`` takes a table without editing this one).
+# matrix the fastest found by benchmarks/tune_fused_gemv.py on an H200 (GPT-2 small fp16, batch 1 and 8: its JSON in
+# results/nvidia-h200/decode_floor/; FusedKVState's ``tuning=`` takes another table without editing this one).
 # At batch 1-8 each matrix-vector moves 1-5 MB and is latency-bound: what pays is enough programs in flight
 # (132 SMs) and W loads pipelined across K steps; one K step over the whole row (BK = 1024, 8 warps) was slower.
 # "qkv"/"fc": LayerNorm in front; "proj": attention output projection (BK is one head, the split is over
 # heads); "proj2": the MLP down-projection (K = 4 * n_embd); "lm_head": (BN vocabulary rows, BK, 1, ...).
-TUNING = {"qkv": (32, 256, 1, 3, 4), "fc": (32, 256, 1, 3, 4), "proj": (32, 64, 12, 2, 4),
-          "proj2": (32, 256, 4, 3, 4), "lm_head": (128, 64, 1, 3, 4)}
+TUNING = {"qkv": (32, 256, 3, 2, 4), "fc": (32, 256, 1, 3, 4), "proj": (32, 64, 12, 1, 4),
+          "proj2": (32, 256, 4, 3, 2), "lm_head": (128, 64, 1, 3, 4)}
 ROLES = ("qkv", "proj", "fc", "proj2", "lm_head")  # the matrices, in the order a layer runs them
 _RULES = {  # field: (its test, given the value and the role; what it must be)
     "BN": (lambda v, r: v >= 16 and not v & (v - 1), "a power of two >= 16 (columns per program; tl.dot's smallest tile)"),
