@@ -74,7 +74,7 @@ DEFAULT = {r: tuple(v) for r, v in fused_step.TUNING.items()}  # the module's ta
 # (768 -> 3072) run 72 and 96 programs of 3 K steps by default on 132 SMs; proj (768 -> 768, one head per K
 # step) 24 x 12 programs; proj2 (3072 -> 768) 24 x 4 programs of 3 K steps; lm_head 393 programs of 12 steps.
 _LN_GEMV = [
-    ((32, 256, 1, 3, 4), "the shipped table"),
+    ((32, 256, 1, 3, 4), "the table before the sweep"),
     ((16, 256, 1, 3, 4), "BN 16: twice the programs"),
     ((32, 128, 2, 3, 4), "split-K 2: twice the programs, 3 steps of 128"),
     ((16, 128, 2, 3, 4), "BN 16 and split 2: 4x the programs"),
@@ -91,7 +91,7 @@ CANDIDATES = {
     "qkv": _LN_GEMV,
     "fc": _LN_GEMV,
     "proj": [
-        ((32, 64, 12, 2, 4), "the shipped table"),
+        ((32, 64, 12, 2, 4), "the table before the sweep"),
         ((16, 64, 12, 2, 4), "BN 16: twice the programs"),
         ((64, 64, 12, 2, 4), "BN 64: half the programs"),
         ((32, 64, 6, 2, 4), "split 6: two heads a program, half the programs"),
@@ -105,7 +105,7 @@ CANDIDATES = {
         ((16, 64, 12, 2, 2), "BN 16 and 2 warps: 4x the programs' count, small ones"),
     ],
     "proj2": [
-        ((32, 256, 4, 3, 4), "the shipped table"),
+        ((32, 256, 4, 3, 4), "the table before the sweep"),
         ((16, 256, 4, 3, 4), "BN 16: twice the programs"),
         ((32, 256, 6, 3, 4), "split 6: 1.5x the programs, 2 K steps each"),
         ((32, 256, 12, 2, 4), "split 12: 3x the programs, one K step each"),
@@ -119,7 +119,7 @@ CANDIDATES = {
         ((32, 256, 4, 3, 2), "2 warps"),
     ],
     "lm_head": [
-        ((128, 64, 1, 3, 4), "the shipped table"),
+        ((128, 64, 1, 3, 4), "the table before the sweep"),
         ((64, 64, 1, 3, 4), "BN 64: twice the programs"),
         ((256, 64, 1, 3, 4), "BN 256: half the programs"),
         ((128, 128, 1, 3, 4), "BK 128: 6 K steps"),
@@ -169,21 +169,15 @@ def launch_of(state: FusedKVState, role: str) -> dict:
     return ls
 
 
-class Candidate:
-    """One tuning table's fused step at one batch: the state, its step (a graph replay on the GPU), its check."""
+class Candidate(df.GraphRoute):
+    """One tuning table's fused step at one batch: decode_floor's graph route (the state, its step, a graph
+    replay on the GPU) with the token check and timing rounds of the sweep."""
 
     def __init__(self, model, batch: int, tuning: dict, args, cuda: bool):
-        self.tuning, self.cuda, self.prompt = dict(tuning), cuda, args.prompts[batch]
-        self.state = FusedKVState(model, batch, args.max_len, tuning=tuning)
-        self.step = self.state.decode_step
+        self.tuning = dict(tuning)
+        super().__init__(FusedKVState(model, batch, args.max_len, tuning=tuning), args.prompts[batch],
+                         args.new_tokens, cuda)
         self.check_info: dict = {}
-        if cuda:
-            from cgutils.capture.graph import capture_graph
-
-            with torch.no_grad():
-                self.state.prefill(self.prompt)  # warm-up steps advance pos for real: start them from the prompt
-            self.graph, _ = capture_graph(self.state.decode_step, warmup=2, what="FusedKVState step")
-            self.step = self.graph.replay
 
     def generate(self, steps: int, window: int):
         """Prefill and ``steps`` steps: ((tokens, logits) after the first ``window`` tokens, all tokens)."""
@@ -221,16 +215,6 @@ class Candidate:
                 self.step()
 
         return df.elapsed_ms(run, self.cuda) / steps
-
-    def profiled(self, reps: int = 5):
-        with torch.no_grad():
-            self.state.prefill(self.prompt)
-
-        def steps():
-            for _ in range(reps):
-                self.step()
-
-        return steps, reps
 
 
 def time_left(args) -> float:
