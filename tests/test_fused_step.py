@@ -82,6 +82,12 @@ def test_bad_requests_raise_input_error(monkeypatch):
         fs.FusedKVState(model, 1, 32)
     with pytest.raises(InputError, match="GPT2LMHeadModel"):
         fs.FusedKVState(torch.nn.Linear(2, 2), 1, 8)
+    # wrong types and zero sizes: raw TypeError / ZeroDivisionError before
+    for kwargs, name in ((dict(batch="1"), "batch"), (dict(batch=1.0), "batch"), (dict(max_len=0), "max_len"),
+                         (dict(max_len="16"), "max_len"), (dict(attn_block=32.0), "attn_block"),
+                         (dict(max_splits="8"), "max_splits")):
+        with pytest.raises(InputError, match=f"{name} must be an int"):
+            fs.FusedKVState(model, **{"batch": 1, "max_len": 8, **kwargs})
     state = fs.FusedKVState(model, 2, 8)
     assert state.kernels_per_step == 5 * 1 + 2
     with pytest.raises(InputError, match="does not fit"):

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..checks import is_int
+from ..checks import check_int, is_int
 from ..errors import InputError
 from .request import check_gpt2
 from .static_kv import StaticKVState
@@ -278,10 +278,9 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 
 # Launch shapes per matrix, (BN output columns, BK rows per step, K splits, pipeline stages, warps): for each
-# matrix the fastest found by benchmarks/tune_fused_gemv.py on an H200 (GPT-2 small fp16, batch 1 and 8: its JSON in
-# results/nvidia-h200/decode_floor/; FusedKVState's ``tuning=`` takes another table without editing this one).
-# At batch 1-8 each matrix-vector moves 1-5 MB and is latency-bound: what pays is enough programs in flight
-# (132 SMs) and W loads pipelined across K steps; one K step over the whole row (BK = 1024, 8 warps) was slower.
+# matrix the fastest found by benchmarks/tune_fused_gemv.py on an H200 (GPT-2 small fp16, batch 1 and 8; its JSON in
+# results/nvidia-h200/decode_floor/). At batch 1-8 each matrix-vector moves 1-5 MB and is latency-bound: what pays
+# is enough programs in flight (132 SMs) and W loads pipelined across K steps.
 # "qkv"/"fc": LayerNorm in front; "proj": attention output projection (BK is one head, the split is over
 # heads); "proj2": the MLP down-projection (K = 4 * n_embd); "lm_head": (BN vocabulary rows, BK, 1, ...).
 TUNING = {"qkv": (32, 256, 3, 2, 4), "fc": (32, 256, 1, 3, 4), "proj": (32, 64, 12, 1, 4),
@@ -343,12 +342,11 @@ def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
 class FusedKVState(StaticKVState):
     """:class:`StaticKVState` with a decode step of fused Triton kernels (the same cache and buffers).
 
-    ``prefill`` is the plain path (T > 1 tokens at once). :meth:`decode_step` launches
-    ``5 * layers + 2`` kernels (62 for GPT-2 small) and no PyTorch op: see the module docstring. It reads
-    the model's parameters in place (no weight copies, so in-place weight updates are seen) and adds only
-    fp32 scratch: per batch row ``2 * n_embd + n_inner + vocab`` values, the attention partials
-    (``heads * splits * (head_dim + 2)``) and the lm_head's per-program maxima, about 0.25 MB per row for
-    GPT-2 small; plus a split-K workspace (about 0.6 MB with the default :data:`TUNING`) and int32
+    ``prefill`` is the plain path (T > 1 tokens at once). :meth:`decode_step` launches ``5 * layers + 2`` kernels
+    (62 for GPT-2 small) and no PyTorch op: see the module docstring. It reads the model's parameters in place
+    (no weight copies, so in-place weight updates are seen) and adds only fp32 scratch: per batch row
+    ``2 * n_embd + n_inner + vocab`` values, the attention partials (``heads * splits * (head_dim + 2)``) and the
+    lm_head's per-program maxima, about 0.25 MB per row for GPT-2 small; plus a split-K workspace (about 0.6 MB with the default :data:`TUNING`) and int32
     counters, whatever the batch. ``launch_shapes`` gives each role's clamped launch (BN, BK, KSTEP, KPER,
     SPLIT, num_stages, num_warps, grid) and ``tuning`` the table it came from.
 
@@ -377,10 +375,12 @@ class FusedKVState(StaticKVState):
             raise InputError("the fused decode step needs Triton (pip install triton; it ships with CUDA "
                              "builds of torch); StaticKVState runs the same decoding without it")
         check_gpt2(model, "FusedKVState")
-        if not 1 <= batch <= MAX_BATCH:
+        if not 1 <= check_int("batch", batch, minimum=1, why="rows decoded at once") <= MAX_BATCH:
             raise InputError(f"FusedKVState takes batch 1..{MAX_BATCH} (one 16-row MMA tile), got {batch}")
-        if attn_block < 2 or attn_block & (attn_block - 1) or max_splits < 1:
-            raise InputError(f"attn_block must be a power of two >= 2 and max_splits >= 1, got {attn_block}, {max_splits}")
+        check_int("max_len", max_len, minimum=1, why="cache positions")
+        check_int("max_splits", max_splits, minimum=1, why="programs sharing one row's keys")
+        if check_int("attn_block", attn_block, minimum=2, why="keys per attention block") & (attn_block - 1):
+            raise InputError(f"attn_block must be a power of two >= 2, got {attn_block}")
         tuning = check_tuning(tuning)
         super().__init__(model, batch, max_len)
         self.tuning = tuning
