@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cgutils.env import provenance
+
 CHILD = r'''
 import json, statistics, sys, time
 import torch
@@ -60,10 +62,19 @@ print(json.dumps({"before": before, "after": after, "torch": torch.__version__,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--repeats", type=int, default=2, help="fresh processes per setting")
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path, help="directory to write profiler_aftereffect.json into")
+    ap.add_argument("--repeats", type=int, default=2, help="fresh processes per setting (>= 1, default 2)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out must be a directory (it holds profiler_aftereffect.json); {args.out} is a file")
+    import torch  # only here: --help works without it
+
+    if not torch.cuda.is_available():
+        sys.exit("profiler_aftereffect.py times CUDA launches: it needs a CUDA GPU (none is visible here)")
     rows = []
     for setting in ("default", "TEARDOWN_CUPTI=1") * args.repeats:
         env = dict(os.environ)
@@ -81,8 +92,10 @@ def main() -> None:
         print(f"{setting:18s} replay host {b['replay_host_us']:7.1f} -> {a['replay_host_us']:7.1f} us; eager per launch "
               f"{b['eager_host_us_per_launch']:6.2f} -> {a['eager_host_us_per_launch']:6.2f} us", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    prov = {"git_commit": os.environ.get("CGUTILS_GIT_COMMIT", "")}
+    prov = provenance()
     (args.out / "profiler_aftereffect.json").write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1))
+    if not any("error" not in r for r in rows):
+        sys.exit("every child process failed (their errors are in the JSON)")
 
 
 if __name__ == "__main__":

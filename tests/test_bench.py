@@ -375,3 +375,23 @@ def test_the_summary_carries_the_gpu_time_of_one_eager_iteration():
 
     assert "gpu_time_ms" not in summary_table(_speedup_rows(True))
     assert summary_table(_speedup_rows(True).assign(gpu_time_ms=0.35)).gpu_time_ms.iloc[0] == 0.35
+
+
+def test_profiler_aftereffect_refuses_bad_arguments_before_running(tmp_path):
+    """--repeats 0 wrote an empty result with rc 0; an --out that is a file failed only after every child had run;
+    with no GPU each child printed a raw traceback and the script exited 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profiler_aftereffect.py"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for extra, rc, message in ((["--out", str(tmp_path / "d"), "--repeats", "0"], 2, "--repeats must be >= 1"),
+                               (["--out", str(afile)], 2, "must be a directory")):
+        run = subprocess.run([sys.executable, str(script), *extra], capture_output=True, text=True, timeout=120)
+        assert run.returncode == rc and message in run.stderr, (run.returncode, run.stderr[-1000:])
+    if not __import__("torch").cuda.is_available():
+        run = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "d")], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 1 and "needs a CUDA GPU" in run.stderr and not (tmp_path / "d").exists()
