@@ -202,13 +202,15 @@ class HFRoute:
 
 
 def kernel_profile(fn, per: int) -> dict:
-    """Kernels, memcpy/memset and GPU-busy µs per step from a torch.profiler trace (CUDA activity) of ``fn``."""
-    from torch.profiler import ProfilerActivity, profile
+    """Kernels, memcpy/memset and GPU-busy µs per step from a torch.profiler trace (CUDA activity) of ``fn``,
+    in a session that detaches CUPTI at its end: the next batch's trials come after it."""
+    from torch.profiler import ProfilerActivity
 
     from cgutils.capture.inspect import kernel_family
+    from cgutils.overhead import profiler_session
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profiler_session([ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -304,13 +305,20 @@ def setup_notebook(name: str) -> dict:
     Args:
         name: the notebook's file stem, e.g. ``"05_speedup_table"``; recordings are stored under it.
 
+    In live mode it also sets ``TEARDOWN_CUPTI=1`` for the notebook's process, unless it is set already or
+    CUDA is older than 12.6 (:func:`cgutils.env.teardown_supported`), so that a cell using
+    ``torch.profiler`` directly leaves no after-effect on the timings of the cells after it
+    (:func:`cgutils.env.cupti_released`; ``info["teardown_cupti"]`` says which).
+
     Returns:
-        dict with ``mode``, ``device`` and, in recorded mode, the ``recording`` provenance.
+        dict with ``mode``, ``device``, ``teardown_cupti`` (live mode) and, in recorded mode, the ``recording``
+        provenance.
 
     Raises:
         NoCudaError: ``CGUTILS_MODE=live`` without a CUDA device.
     """
     from IPython import get_ipython
+
 
     _state["notebook"] = name
     shell = get_ipython()
@@ -323,6 +331,9 @@ def setup_notebook(name: str) -> dict:
         import torch
 
         info["device"] = torch.cuda.get_device_name(0)
+        if env.teardown_supported():
+            os.environ.setdefault("TEARDOWN_CUPTI", "1")
+        info["teardown_cupti"] = os.environ.get("TEARDOWN_CUPTI")
         print(f"Mode: live, on {info['device']}. Cells measure for real"
               + (" and are being recorded." if recording_enabled() else ".") + f" They run on {here}.")
     else:
