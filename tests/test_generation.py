@@ -161,3 +161,12 @@ def test_bucket_sizes_must_be_positive_ints():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)).eval()
     with pytest.raises(cg.InputError, match="batch_buckets must be a non-empty sequence of positive ints"):
         GreedyDecoder(model, mode="eager", batch_buckets=(True, 2))
+
+
+@pytest.mark.parametrize("batch, max_len, message", [(1, 0, "max_len"), (0, 16, "batch"), (1, 2.5, "max_len")])
+def test_static_cache_rejects_sizes_it_cannot_hold(tiny, batch, max_len, message):
+    """StaticKVState(max_len=0) was accepted and made an empty cache that failed at the first prefill."""
+    from cgutils.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        StaticKVState(tiny, batch=batch, max_len=max_len)

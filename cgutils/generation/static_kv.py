@@ -64,9 +64,12 @@ class StaticKVState(nn.Module):
         all; a tensor-parallel rank holds its share).
 
         Raises:
-            InputError: ``max_len`` larger than the model's position table.
+            InputError: ``batch`` or ``max_len`` not an int >= 1 (a prompt needs one position, each decode step
+                one more), or ``max_len`` larger than the model's position table.
         """
         super().__init__()
+        check_int("batch", batch, minimum=1, why="rows of the cache")
+        check_int("max_len", max_len, minimum=1, why="positions of the cache: the prompt's tokens and the generated ones")
         cfg = model.config
         if max_len > cfg.n_positions:
             raise InputError(f"max_len {max_len} exceeds GPT-2's {cfg.n_positions} positions")
