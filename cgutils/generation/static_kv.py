@@ -211,13 +211,14 @@ class GreedyDecoder:
                     step()
 
             graphs = []
-            for fn, n in ((step, 1), (block, k)):
+            # a block of one step is the one-step graph: captured once (a second capture was never replayed)
+            for fn, n in ((step, 1),) if k == 1 else ((step, 1), (block, k)):
                 with torch.no_grad():
                     state.prefill(torch.zeros(batch, 1, dtype=torch.int64, device=state.pos.device))
                 graph, _ = self._backend.capture(fn, warmup=2, pool=self._pool,
                                          what=f"GPT-2 decode, {n} step(s) (batch {batch}, cache {max_len})")
                 graphs.append(graph)
-            slot = _Slot(state, graphs[0].replay, graphs[1].replay, k)
+            slot = _Slot(state, graphs[0].replay, graphs[-1].replay, k)
         self._slots[key] = slot
         return slot
 
