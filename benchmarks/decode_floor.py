@@ -202,15 +202,13 @@ class HFRoute:
 
 
 def kernel_profile(fn, per: int) -> dict:
-    """Kernels, memcpy/memset and GPU-busy µs per step from a torch.profiler trace (CUDA activity) of ``fn``,
-    in a session that detaches CUPTI at its end: the next batch's trials come after it."""
-    from torch.profiler import ProfilerActivity
+    """Kernels, memcpy/memset and GPU-busy µs per step from a torch.profiler trace (CUDA activity) of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
 
     from cgutils.capture.inspect import kernel_family
-    from cgutils.overhead import profiler_session
 
     torch.cuda.synchronize()
-    with profiler_session([ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:

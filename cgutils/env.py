@@ -1,16 +1,13 @@
-"""Where we are running: device, mode (live or recorded) and versions, for banners and provenance; and the one
-environment variable the suite sets for the profiler (``TEARDOWN_CUPTI``, :func:`cupti_released`)."""
+"""Where we are running: device, mode (live or recorded) and versions, for banners and provenance."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import importlib.metadata
 import os
 import platform
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -120,49 +117,3 @@ def describe(prov: dict) -> str:
     return (f"{prov.get('gpu') or 'no GPU'} (driver {prov.get('driver') or '?'}, CUDA {prov.get('cuda') or '?'}), "
             f"torch {prov.get('torch')}, transformers {prov.get('transformers')}, "
             f"{(prov.get('date') or '?')[:10]}, commit {commit}")
-
-
-TEARDOWN_MIN_CUDA = (12, 6)
-"""The CUDA version from which PyTorch's profiler lets CUPTI be torn down with CUDA graphs alive."""
-
-
-def teardown_supported(cuda_version: str | None = None) -> bool:
-    """Whether CUPTI can be torn down after a session: CUDA ``cuda_version`` (default: the one torch was built
-    with, ``torch.version.cuda``) is at least 12.6, and nothing in this process has turned CUPTI's lazy
-    re-initialisation off (``DISABLE_CUPTI_LAZY_REINIT``, which torch.compile sets on older CUDA)."""
-    if cuda_version is None:
-        cuda_version = torch.version.cuda
-    if not cuda_version or os.environ.get("DISABLE_CUPTI_LAZY_REINIT"):
-        return False
-    try:
-        major, minor = (int(p) for p in cuda_version.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= TEARDOWN_MIN_CUDA
-
-
-@contextlib.contextmanager
-def cupti_released() -> Iterator[None]:
-    """Run a profiler session inside with ``TEARDOWN_CUPTI=1``, so that CUPTI is detached when it ends; the
-    variable's earlier value (or its absence) is restored on exit. Does nothing where
-    :func:`teardown_supported` is false.
-
-    Why: after a ``torch.profiler`` session ends, Kineto keeps CUPTI attached unless ``TEARDOWN_CUPTI`` is ``"1"``
-    (pytorch/pytorch#144455; Kineto reads the variable at each session's start and end), and every later launch in
-    the process pays for CUPTI's callbacks. On the H200 (torch 2.11, CUDA 13.0) one ``graph.replay()`` of a
-    256-node chain took 4.3 µs of host time before a session and 95.6 µs after; with the variable set by the
-    process itself, 4.3 and 4.4 µs, and a second session still saw the replay's kernels
-    (``benchmarks/profiler_aftereffect.py``, ``results/nvidia-h200/profiler_aftereffect/``). PyTorch keeps teardown
-    off where CUDA graphs crashed CUPTI's re-initialisation, CUDA before 12.6 (``torch/profiler/profiler.py``)."""
-    if not teardown_supported():
-        yield
-        return
-    before = os.environ.get("TEARDOWN_CUPTI")
-    os.environ["TEARDOWN_CUPTI"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TEARDOWN_CUPTI", None)
-        else:
-            os.environ["TEARDOWN_CUPTI"] = before

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import env
 from .capture import capture_graph
 from .checks import require_cuda
 from .errors import InputError
@@ -191,10 +190,6 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     supports it; a count of 0 for a replay means it did not. The first profiler session of a process
     can report extra activities, so a throw-away session runs first.
 
-    The session detaches CUPTI when it ends (:func:`profiler_session`): a plain torch.profiler
-    session leaves every later launch in the process slower (pytorch/pytorch#144455; measured in
-    :func:`cgutils.env.cupti_released`). Timings still come first where the two share a run.
-
     Raises:
         NoCudaError: without a CUDA device.
     """
@@ -203,7 +198,7 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     require_cuda("gpu_activity", _FIX)
     _warm_profiler()
     torch.cuda.synchronize()
-    with profiler_session([ProfilerActivity.CUDA]) as prof:
+    with _profile([ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -211,23 +206,14 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
 
 
 @contextlib.contextmanager
-def profiler_session(activities: list, **kwargs: Any) -> Iterator[Any]:
-    """``torch.profiler.profile(activities=activities, **kwargs)``, with CUPTI detached when it ends
-    (:func:`cgutils.env.cupti_released`) and without its once-per-process "Profiler clears events at the end of each cycle"
-    warning (every session here is one cycle, or a schedule the caller chose).
-
-    Args:
-        activities: ``torch.profiler.ProfilerActivity`` members, e.g. ``[ProfilerActivity.CUDA]``.
-        **kwargs: passed to ``torch.profiler.profile`` (``schedule``, ``on_trace_ready``, ``record_shapes``...).
-
-    Yields:
-        The ``torch.profiler.profile`` object (``prof.events()``, ``prof.export_chrome_trace``...).
-    """
+def _profile(activities: list):
+    """``torch.profiler.profile`` without its once-per-process "Profiler clears events at the end of each cycle"
+    warning, which torch 2.11 printed in a lesson's output; every session here is a single cycle."""
     from torch.profiler import profile
 
-    with env.cupti_released(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events")
-        with profile(activities=activities, **kwargs) as prof:
+        with profile(activities=activities) as prof:
             yield prof
 
 
@@ -235,7 +221,7 @@ def profiler_session(activities: list, **kwargs: Any) -> Iterator[Any]:
 def _warm_profiler() -> None:
     from torch.profiler import ProfilerActivity
 
-    with profiler_session([ProfilerActivity.CUDA]):
+    with _profile([ProfilerActivity.CUDA]):
         torch.zeros(1, device="cuda").add_(1)
         torch.cuda.synchronize()
 
@@ -245,8 +231,7 @@ def launch_bound_table(progress: bool = True):
 
     For BERT-base (128 tokens), ResNet-50 and one GPT-2 decode step with a static KV cache: GPU
     activities per forward and their summed GPU time (torch.profiler), the forward's time as the GPU
-    sees it (CUDA events, median), and the GPU idle fraction ``1 - busy / wall``. Every case is timed
-    before any is profiled (see :func:`gpu_activity`).
+    sees it (CUDA events, median), and the GPU idle fraction ``1 - busy / wall``.
 
     Returns:
         DataFrame with columns ``model, mode, kernels, busy_us, wall_us, idle_fraction`` and
@@ -278,33 +263,24 @@ def launch_bound_table(progress: bool = True):
 
     cases = [("BERT-base seq128", single("bert-base-seq128")), ("ResNet-50", single("resnet50")),
              ("GPT-2 decode step", gpt2_step)]
-    # Two passes: every case timed first, then every case profiled, because launches can stay slower in a
-    # process torch.profiler has run in (pytorch/pytorch#144455; cgutils.profiling).
-    wall: dict[tuple[str, str], float] = {}
-    work: dict[tuple[str, str], tuple[int, float]] = {}
-    with tqdm(total=2 * len(cases), desc="launch-bound fraction", disable=not progress) as bar:
-        for profiled in (False, True):
-            for name, make in cases:
-                with torch.no_grad():
-                    step = make()
-                    graph, _ = capture_graph(step, warmup=3)
-                    for mode, run in (("eager", step), ("replay", graph.replay)):
-                        if profiled:
-                            work[name, mode] = gpu_activity(run)
-                        else:
-                            wall[name, mode] = measure(run, warmup=5, iters=50).median_ms * 1e3
-                del graph, step
-                torch.cuda.empty_cache()
-                bar.update()
     rows = []
-    for name, _ in cases:
-        for mode in ("eager", "replay"):
-            (n, busy), source = work[name, mode], "profiler"
-            if n == 0 and mode == "replay":
-                (n, busy), source = work[name, "eager"], "eager profile"
-            w = wall[name, mode]
-            rows.append({"model": name, "mode": mode, "kernels": n, "busy_us": busy, "wall_us": w,
-                         "idle_fraction": max(0.0, 1 - busy / w) if w else float("nan"), "busy_source": source})
+    for name, make in tqdm(cases, desc="launch-bound fraction", disable=not progress):
+        with torch.no_grad():
+            step = make()
+            graph, _ = capture_graph(step, warmup=3)
+            eager_profile = None
+            for mode, run in (("eager", step), ("replay", graph.replay)):
+                wall = measure(run, warmup=5, iters=50).median_ms * 1e3
+                n, busy = gpu_activity(run)
+                source = "profiler"
+                if n == 0 and eager_profile is not None:
+                    (n, busy), source = eager_profile, "eager profile"
+                eager_profile = eager_profile or (n, busy)
+                rows.append({"model": name, "mode": mode, "kernels": n, "busy_us": busy, "wall_us": wall,
+                             "idle_fraction": max(0.0, 1 - busy / wall) if wall else float("nan"),
+                             "busy_source": source})
+        del graph, step
+        torch.cuda.empty_cache()
     return pd.DataFrame(rows)
 
 
@@ -328,7 +304,7 @@ def runtime_calls(run: Callable[[], Any]) -> dict[str, int]:
 
     require_cuda("runtime_calls", _FIX)
     torch.cuda.synchronize()
-    with profiler_session([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     names = (e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)

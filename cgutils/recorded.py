@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -305,13 +304,6 @@ def setup_notebook(name: str) -> dict:
     Args:
         name: the notebook's file stem, e.g. ``"05_speedup_table"``; recordings are stored under it.
 
-    In live mode it also sets ``DISABLE_CUPTI_LAZY_REINIT=1`` for the notebook's process, which turns off the CUPTI
-    teardown of :func:`cgutils.env.cupti_released` (:func:`cgutils.env.teardown_supported` is then false): with
-    ``TEARDOWN_CUPTI=1`` for the whole process, torch 2.11 on the H200 lost every GPU activity of the next profiler
-    session in four notebooks (BERT's eager profile in notebook 01 saw 0 kernels; 2026-12-02 recording), and the
-    session-scoped teardown did not detach CUPTI (``benchmarks/profiler_aftereffect.py``). Notebooks keep CUPTI
-    attached, and their cells time before they profile.
-
     Returns:
         dict with ``mode``, ``device`` and, in recorded mode, the ``recording`` provenance.
 
@@ -319,7 +311,6 @@ def setup_notebook(name: str) -> dict:
         NoCudaError: ``CGUTILS_MODE=live`` without a CUDA device.
     """
     from IPython import get_ipython
-
 
     _state["notebook"] = name
     shell = get_ipython()
@@ -332,7 +323,6 @@ def setup_notebook(name: str) -> dict:
         import torch
 
         info["device"] = torch.cuda.get_device_name(0)
-        os.environ["DISABLE_CUPTI_LAZY_REINIT"] = "1"  # no CUPTI teardown here: see the docstring
         print(f"Mode: live, on {info['device']}. Cells measure for real"
               + (" and are being recorded." if recording_enabled() else ".") + f" They run on {here}.")
     else:

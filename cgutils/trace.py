@@ -460,9 +460,6 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
     ``warmup`` calls run under the profiler's warm-up phase (traced but discarded, so start-up costs
     stay out), then ``active`` calls are recorded. CPU activity always, CUDA when available.
 
-    CUPTI is detached when the session ends (:func:`cgutils.env.cupti_released`): a plain
-    torch.profiler session leaves every later launch in the process slower (pytorch/pytorch#144455).
-
     Args:
         fn: callable with no arguments, e.g. ``lambda: model(x)``.
         path: output file; ``.json.gz`` is appended unless it already ends in ``.json`` or ``.json.gz``.
@@ -473,17 +470,15 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
     import torch
     from torch.profiler import ProfilerActivity, schedule
 
-    from .env import cupti_released
-
     out = Path(path)
     if not out.name.endswith((".json", ".json.gz")):
         out = out.with_name(out.name + ".json.gz")
     out.parent.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    with cupti_released(), torch.profiler.profile(
-            activities=acts, record_shapes=record_shapes, schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
-            on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+    with torch.profiler.profile(activities=acts, record_shapes=record_shapes,
+                                schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                                on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
         for _ in range(warmup + active):
             fn()
             sync()
