@@ -17,7 +17,8 @@ from .errors import InputError, NoCudaError
 
 
 def is_int(value: Any) -> bool:
-    """True for a Python/numpy integer that is not a bool (``True`` is an ``int`` in Python)."""
+    """True for a Python ``int`` that is not a bool (``True`` is an ``int`` in Python). NumPy and torch integer
+    scalars are not ``int`` instances and give False: pass ``int(value)``."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

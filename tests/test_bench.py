@@ -299,6 +299,88 @@ def test_speedup_table_sets_up_every_variant_then_times_them_interleaved(monkeyp
     assert pd.isna(r.loc["raw_graph", "median_ms"])
 
 
+def test_speedup_table_profiles_only_after_every_timed_trial(monkeypatch):
+    """torch.profiler leaves launches slower in its process (pytorch/pytorch#144455): with two workloads,
+    no set-up or timed call of either may come after the first profiler session (before the fix, each
+    workload was profiled before its own trials, so the second workload was timed after a profile)."""
+    from cgutils.bench import speedup
+    from cgutils.timing import Timing
+    from cgutils.workloads import Built
+
+    log = []
+
+    def build(name):
+        def step(x):
+            log.append(("step", name))
+            return x
+        built = Built(model=torch.nn.Identity(), step=step, inputs=lambda seed: (torch.zeros(1),),
+                      iterate=lambda impl, inputs: impl(*inputs))
+        return SimpleNamespace(name=name, article_ms=None, build=lambda dtype, device: built)
+
+    workloads = {n: build(n) for n in ("w1", "w2")}
+
+    def profile(run):
+        log.append(("profile",))
+        run()
+        return 7, 3000.0
+
+    monkeypatch.setattr(speedup, "require_cuda", lambda *a: None)
+    monkeypatch.setattr(speedup, "get_workload", workloads.__getitem__)
+    monkeypatch.setattr(speedup, "gpu_activity", profile)
+    monkeypatch.setattr(speedup, "measure", lambda *a, **k: Timing(5.0, 5.0, 5.0, 3, "cuda_event"))
+    monkeypatch.setattr(speedup, "make_step", lambda kind, b: b.step)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    df = speedup.speedup_table(["w1", "w2"], ["fp16"], variants=["eager", "graph_runner"], progress=False,
+                               trials=2, budget_s=0.01)
+    first_profile = log.index(("profile",))
+    assert log.count(("profile",)) == 2  # one eager iteration per workload and dtype
+    assert {("step", "w1"), ("step", "w2")} <= set(log[:first_profile])
+    assert all(e == ("profile",) or e[0] == "step" for e in log)
+    timed_after = [e for e in log[first_profile:] if e != ("profile",)]
+    assert len(timed_after) == 2  # only the profiled iterations themselves
+    assert list(df.gpu_ops) == [7] * 4 and list(df.gpu_time_ms) == [3.0] * 4
+
+
+def test_launch_bound_table_times_every_case_before_profiling_any(monkeypatch):
+    """Every wall time of launch_bound_table is measured before its first profiler session (before the
+    fix, BERT's profile preceded the replay's and ResNet-50's timing)."""
+    import cgutils.generation
+    import cgutils.workloads
+    from cgutils import overhead
+    from cgutils.timing import Timing
+
+    log = []
+    built = SimpleNamespace(step=lambda *a: None, inputs=lambda seed: (None,), model=None)
+    fake = SimpleNamespace(build=lambda dtype, device: built)
+    monkeypatch.setattr(cgutils.workloads, "WORKLOADS", dict.fromkeys(
+        ("bert-base-seq128", "resnet50", "gpt2-generate100"), fake))
+
+    class State:
+        def __init__(self, model, batch, max_len):
+            pass
+
+        def prefill(self, ids):
+            pass
+
+        def decode_step(self):
+            pass
+
+    monkeypatch.setattr(cgutils.generation, "StaticKVState", State)
+    monkeypatch.setattr(overhead, "require_cuda", lambda *a: None)
+    monkeypatch.setattr(overhead, "capture_graph", lambda step, warmup: (SimpleNamespace(replay=step), None))
+    monkeypatch.setattr(overhead, "measure", lambda run, **k: log.append("time") or Timing(0.1, 0.1, 0.1, 50, "cuda_event"))
+    monkeypatch.setattr(overhead, "gpu_activity", lambda run: log.append("profile") or (10, 40.0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    table = overhead.launch_bound_table(progress=False)
+    assert log == ["time"] * 6 + ["profile"] * 6
+    assert list(table.kernels) == [10] * 6 and list(table.wall_us.round(6)) == [100.0] * 6
+    assert table.idle_fraction.round(6).tolist() == [0.6] * 6
+
+
 def test_speedup_table_checks_trials_first():
     from cgutils.bench import speedup_table
     from cgutils.errors import InputError

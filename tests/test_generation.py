@@ -152,7 +152,9 @@ def test_graph_mode_decoding_gives_the_eager_tokens(simulated, steps_per_graph):
     graphed = GreedyDecoder(model, mode="graph", steps_per_graph=steps_per_graph, backend=simulated)
     for prompt in (torch.randint(0, 1000, (1, 5)), torch.randint(0, 1000, (1, 9))):
         assert torch.equal(graphed.generate(prompt, max_new_tokens=23), eager.generate(prompt, max_new_tokens=23))
-    assert len(simulated.graphs) == 2  # one slot: its one-step graph and its block graph
+    # one slot: its one-step graph and its block graph; a block of one step is the one-step graph itself
+    # (captured twice before, the second never replayed)
+    assert len(simulated.graphs) == (1 if steps_per_graph == 1 else 2)
 
 
 def test_bucket_sizes_must_be_positive_ints():
@@ -161,3 +163,12 @@ def test_bucket_sizes_must_be_positive_ints():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)).eval()
     with pytest.raises(cg.InputError, match="batch_buckets must be a non-empty sequence of positive ints"):
         GreedyDecoder(model, mode="eager", batch_buckets=(True, 2))
+
+
+@pytest.mark.parametrize("batch, max_len, message", [(1, 0, "max_len"), (0, 16, "batch"), (1, 2.5, "max_len")])
+def test_static_cache_rejects_sizes_it_cannot_hold(tiny, batch, max_len, message):
+    """StaticKVState(max_len=0) was accepted and made an empty cache that failed at the first prefill."""
+    from cgutils.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        StaticKVState(tiny, batch=batch, max_len=max_len)

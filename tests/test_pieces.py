@@ -460,7 +460,7 @@ def test_auto_breaks_drop_cublas_workspaces_between_the_throw_away_and_the_final
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("throw-away", next(pools)))
     monkeypatch.setattr(piecewise, "PieceCapture", FakeCapture)
-    monkeypatch.setattr(piecewise, "_drop_cublas_workspaces", lambda: events.append(("drop workspaces",)))
+    monkeypatch.setattr(piecewise, "fresh_cublas_workspaces", lambda: events.append(("drop workspaces",)))
     model = nn.Linear(2, 2)
     graph, out = piecewise.capture_pieces(lambda: "out", BreakPlan(model, "auto"), ("final", 0), stream=None)
     assert (graph, out) == ("graph", "out")

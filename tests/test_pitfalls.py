@@ -249,3 +249,27 @@ def test_raw_capture_records_what_a_failure_leaves_and_repairs_it():
     assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
     torch.rand(4, device="cuda")
     torch.cuda.synchronize()
+
+
+def test_graphed_fix_check_calls_the_runner_on_an_input_other_than_the_capture_one(monkeypatch):
+    """A fix whose replay repeats what the capture saw must fail the check (before the fix, the check's
+    first runner call was both the capture and the compared call, so a stale replay passed)."""
+    from types import SimpleNamespace
+
+    from cgutils.pitfalls import steps
+
+    class StaleRunner:  # replays the capture's output, whatever the input: a baked-in value
+        def __init__(self, fn):
+            self.fn, self.out = fn, None
+
+        def __call__(self, x):
+            if self.out is None:
+                self.out = self.fn(x)
+            return self.out
+
+    monkeypatch.setattr(steps, "example", lambda seed=0: torch.full((4, 8), float(seed + 1)))
+    monkeypatch.setattr(steps, "GraphRunner", StaleRunner)
+    p = SimpleNamespace(good=lambda x: x * 2)
+    assert steps.graphed_fix_matches_eager(p, steps.example(0)) is False
+    monkeypatch.setattr(steps, "GraphRunner", lambda fn: fn)  # a replay that follows its input
+    assert steps.graphed_fix_matches_eager(p, steps.example(0)) is True

@@ -273,3 +273,22 @@ def test_objects_are_flattened_once():
     images = _Boxes(Counted([torch.ones(1), torch.ones(1)]))
     assert len(tree_leaves(images, objects=True)) == 2
     assert len(walks) == 1
+
+
+def test_graph_stats_split_the_first_call_into_warm_up_capture_and_validation(simulated):
+    """Notebook 11 timed the first call under cProfile to see where it went; the stats now say it themselves."""
+    import time
+
+    def slow(x):
+        time.sleep(0.01)  # every call: the 3 warm-ups, the capture's one, the validation's eager one
+        return x * 2
+
+    runner = cg.GraphRunner(slow, backend=simulated)
+    runner(torch.ones(3))
+    g = runner.stats.graphs[0]
+    assert g.warmup_ms >= 30 and g.record_ms >= 10 and g.validate_ms > 0
+    assert g.warmup_ms + g.record_ms + g.validate_ms <= g.capture_ms
+    unchecked = cg.GraphRunner(slow, validate=False, backend=simulated)
+    unchecked(torch.ones(3))
+    assert unchecked.stats.graphs[0].validate_ms is None
+    assert set(runner.stats.to_frame().columns) >= {"warmup_ms", "record_ms", "validate_ms"}

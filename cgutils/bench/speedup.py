@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -114,9 +115,7 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, tria
     inputs = built.inputs(0)
     with torch.no_grad():
         eager_ms = measure(lambda: built.iterate(built.step, inputs), warmup=3, iters=3).median_ms
-        gpu_ops, gpu_us = gpu_activity(lambda: built.iterate(built.step, inputs))
-    common = {"workload": wl.name, "dtype": dtype, "gpu_ops": gpu_ops, "gpu_time_ms": gpu_us / 1e3,
-              "forwards": built.steps_per_iter,
+    common = {"workload": wl.name, "dtype": dtype, "forwards": built.steps_per_iter,
               "article_eager_ms": wl.article_ms[0] if wl.article_ms else None,
               "article_graph_ms": wl.article_ms[1] if wl.article_ms else None,
               "gpu": torch.cuda.get_device_name(0)}
@@ -131,6 +130,19 @@ def _measure_workload(wl, dtype: str, variants: list[str], budget_s: float, tria
         gc.collect()  # drop this phase's graphs before the next phase captures
     bar.update(len(variants))
     return list(rows.values())
+
+
+def _gpu_work(wl, dtype: str) -> dict:
+    """``gpu_ops`` and ``gpu_time_ms`` of one eager iteration of a workload, from torch.profiler.
+
+    Called only once every trial of the table is timed: after a torch.profiler session, launches in the same
+    process stay slower (CUPTI stays attached: pytorch/pytorch#144455; ``benchmarks/profiler_aftereffect.py``),
+    which would inflate every later timing, eager's most."""
+    built = wl.build(dtype, "cuda")
+    inputs = built.inputs(0)
+    with torch.no_grad():
+        gpu_ops, gpu_us = gpu_activity(lambda: built.iterate(built.step, inputs))
+    return {"gpu_ops": gpu_ops, "gpu_time_ms": gpu_us / 1e3}
 
 
 def phases(variants: list[str]) -> tuple[list[str], list[str]]:
@@ -193,6 +205,10 @@ def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] 
                   trials: int = TRIALS, trial_log: list | None = None):
     """Measure every (workload, dtype, variant) at batch 1 and return one row per combination.
 
+    Every timing comes before any profiling: one eager iteration per workload and dtype is profiled
+    (``gpu_ops``, ``gpu_time_ms``) only after all trials, because launches can stay slower in a process
+    torch.profiler has run in (pytorch/pytorch#144455; ``benchmarks/profiler_aftereffect.py``).
+
     Per workload and dtype, every variant is set up first (its first call: capture or compilation,
     timed as ``setup_s``); then they are timed together in ``trials`` interleaved trials
     (:func:`cgutils.timing.interleaved_trials`: 5 untimed calls per variant first, then per trial one
@@ -244,9 +260,28 @@ def speedup_table(workloads: Iterable[str] | None = None, dtypes: Iterable[str] 
         for name in names:
             for dtype in dtypes:
                 rows += _measure_workload(get_workload(name), dtype, variants, budget_s, trials, bar, trial_log)
-                gc.collect()  # free this model's weights and graphs before building the next
-                torch.cuda.empty_cache()
+                _free_workload()
+        # the profiler last: no trial may run in a process it has touched (see _gpu_work)
+        for name in names:
+            for dtype in dtypes:
+                wl = get_workload(name)
+                bar.set_postfix_str(f"{wl.name} {dtype}: GPU activities (torch.profiler)")
+                try:
+                    work = _gpu_work(wl, dtype)
+                except Exception as exc:  # the timings stand without it: NaN, and say why
+                    warnings.warn(f"speedup_table: profiling {wl.name} {dtype} failed, its gpu_ops and "
+                                  f"gpu_time_ms are NaN: {error_status(exc, 200)}", stacklevel=2)
+                    work = {"gpu_ops": float("nan"), "gpu_time_ms": float("nan")}
+                for r in rows:
+                    if r["workload"] == wl.name and r["dtype"] == dtype:
+                        r.update(work)
+                _free_workload()
     return pd.DataFrame(rows).reindex(columns=COLUMNS)
+
+
+def _free_workload() -> None:
+    gc.collect()  # free this model's weights and graphs before building the next
+    torch.cuda.empty_cache()
 
 
 def eager_reference(table, workload: str, dtype: str) -> dict:

@@ -168,6 +168,9 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
             seen["one_call"].restore()
         if validate and i == warmup - 1 and "one_call" not in seen:
             seen["expected"] = tree_map(torch.clone, out)
+        if i == warmup - 1:  # the capture syncs first anyway: the warm-up's end, timed where the GPU is done
+            backend.synchronize()
+            seen["t_warm"] = time.perf_counter()
 
     pool_before = backend.pool_bytes(pool)
     options: dict[str, Any] = {}  # only when asked: a backend without these features keeps working
@@ -178,6 +181,7 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
     try:
         graph, static_out = backend.capture(lambda: run(*s_args, **s_kwargs), warmup=warmup, pool=pool,
                                             on_warmup=on_warmup, what=what, **options)
+        t_recorded = time.perf_counter()
         pool_bytes = max(0, backend.pool_bytes(pool) - pool_before)
         changes, one_call = seen["changes"], seen.get("one_call")
         # the tensors forward stored on self during capture: each replay rewrites them in place (read them
@@ -190,7 +194,9 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
         rel = None
         if validate:
             rtol = rtol_for(static_out, rtol, {t.dtype for _, t in named})
+            t_validate = time.perf_counter()
             rel = _validate(graph, static_out, run, s_args, s_kwargs, one_call, seen.get("expected"), rtol, backend)
+            seen["validate_ms"] = (time.perf_counter() - t_validate) * 1e3
     except BaseException:
         # Leave what the caller sees as one eager call left it: the first warm-up's state and attributes
         # (the state before the call is not kept); generators as before the call.
@@ -203,7 +209,9 @@ def capture_entry(run: Callable[..., Any], fn: Callable[..., Any], call: Call, t
         raise
     entry = GraphEntry(graph, static_inputs, static_out, GraphInfo(
         signature=signature, capture_ms=(time.perf_counter() - t_start) * 1e3, pool_bytes=pool_bytes,
-        static_input_bytes=nbytes(static_inputs), static_output_bytes=nbytes(static_out), max_rel_error=rel),
+        static_input_bytes=nbytes(static_inputs), static_output_bytes=nbytes(static_out), max_rel_error=rel,
+        warmup_ms=(seen["t_warm"] - t_start) * 1e3 if "t_warm" in seen else None,
+        record_ms=(t_recorded - seen.get("t_warm", t_start)) * 1e3, validate_ms=seen.get("validate_ms")),
         changes=changes, attribution=options.get("inspect"))
     mutated = {id(t) for _, t in changes.tensors}
     entry.mutated_inputs = [i for i, b in enumerate(static_inputs) if id(b) in mutated]

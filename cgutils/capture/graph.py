@@ -16,7 +16,7 @@ from ..errors import CaptureError, first_cgutils_error
 from .breakplan import BreakPlan
 from .ending import end_abandoned_capture
 from .piecewise import capture_pieces
-from .poolscope import capture_pool
+from .poolscope import capture_pool, fresh_cublas_workspaces
 from .state import rng_restore, rng_snapshot
 
 
@@ -84,22 +84,6 @@ def _warmup_stream() -> torch.cuda.Stream:
     if dev not in _WARMUP_STREAMS:
         _WARMUP_STREAMS[dev] = torch.cuda.Stream()
     return _WARMUP_STREAMS[dev]
-
-
-def fresh_cublas_workspaces() -> None:
-    """Drop cuBLAS's cached workspaces, so that the next capture allocates its own, in its own memory pool.
-
-    cuBLAS keeps one workspace per (handle, stream), made on first use. One made during a capture comes from
-    that capture's pool and outlives the graph; a later capture on the same stream (``torch.cuda.graph``'s
-    capture stream is shared) reuses it and bakes its address in. When ``torch.compile(mode="reduce-overhead")``
-    then clears the workspaces (``clear_cublas_manager`` in torch/_inductor/cudagraph_trees.py) and the first
-    graph's pool is gone, that memory is returned to CUDA and the later graph's next replay fails with "an
-    illegal memory access" (BERT-base fp16, H200, torch 2.11: docs/pytorch-cublas-workspace-fault.md). Called
-    before and after every cgutils capture, as CUDA graph trees do around theirs: each graph's workspace then
-    lives in its own pool, for as long as the graph."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
 
 
 class _Ending:

@@ -47,7 +47,7 @@ from .control import inside_body
 from .ending import end_abandoned_capture, end_failed_begin
 from .inspect import NODE_COLUMNS, node_table
 from .nest import same_value, tree_leaves, tree_map
-from .poolscope import capture_pool
+from .poolscope import capture_pool, fresh_cublas_workspaces
 
 
 @dataclass
@@ -379,7 +379,7 @@ def capture_pieces(fn: Any, plan: BreakPlan, pool: Any, stream: torch.cuda.Strea
         # would be baked into the final pieces, which then replay into memory the allocator has returned (an
         # illegal memory access once another capture empties the cache: BERT-base, H200, notebook 09's
         # break-cost cell; the same fault as docs/pytorch-cublas-workspace-fault.md)
-        _drop_cublas_workspaces()
+        fresh_cublas_workspaces()
     cap = PieceCapture(plan, pool, stream, keep_graph)
     try:
         with watch if watch is not None else contextlib.nullcontext():
@@ -390,19 +390,9 @@ def capture_pieces(fn: Any, plan: BreakPlan, pool: Any, stream: torch.cuda.Strea
         raise
 
 
-def _drop_cublas_workspaces() -> None:
-    """``torch._C._cuda_clearCublasWorkspaces()``, where PyTorch has it: cuBLAS's cached workspaces dropped, so
-    that the next capture makes its own in its own pool. The same call as
-    :func:`cgutils.capture.graph.fresh_cublas_workspaces`, which imports this module (so it cannot be imported
-    here); the two fold into one when graph.py next changes (it is behind most recorded cells)."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-
-
 def _find_breaks(fn: Any, plan: BreakPlan, stream: torch.cuda.Stream, reset: Any) -> None:
     for _attempt in range(MAX_AUTO_BREAKS + 1):
-        _drop_cublas_workspaces()  # each attempt makes its own: an earlier attempt's pool is abandoned
+        fresh_cublas_workspaces()  # each attempt makes its own: an earlier attempt's pool is abandoned
         cap = PieceCapture(plan, torch.cuda.graph_pool_handle(), stream)
         try:
             cap.run(fn)

@@ -12,7 +12,11 @@ class GraphInfo:
 
     Attributes:
         signature: input shapes and dtypes, e.g. ``input_ids:(1, 128) int64``.
-        capture_ms: wall time of warm-up plus capture plus validation, ms.
+        capture_ms: wall time of the whole first call at this shape: warm-up plus capture plus validation, ms.
+        warmup_ms: of that, the warm-up calls, until the GPU finished them, ms (``None`` when the capture
+            failed before or the backend ran no warm-up).
+        record_ms: of that, the capture proper: recording the calls into a graph and instantiating it, ms.
+        validate_ms: of that, the validation (one replay against one eager call), ms; ``None`` when off.
         pool_bytes: bytes newly reserved by the shared memory pool during this capture (later graphs
             reuse blocks freed by earlier ones, so this can be 0 for them).
         static_input_bytes: bytes of the static input buffers (allocated outside the pool).
@@ -29,6 +33,9 @@ class GraphInfo:
     static_output_bytes: int
     max_rel_error: float | None
     replays: int = 0
+    warmup_ms: float | None = None
+    record_ms: float | None = None
+    validate_ms: float | None = None
 
     @property
     def memory_bytes(self) -> int:

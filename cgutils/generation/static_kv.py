@@ -64,9 +64,12 @@ class StaticKVState(nn.Module):
         all; a tensor-parallel rank holds its share).
 
         Raises:
-            InputError: ``max_len`` larger than the model's position table.
+            InputError: ``batch`` or ``max_len`` not an int >= 1 (a prompt needs one position, each decode step
+                one more), or ``max_len`` larger than the model's position table.
         """
         super().__init__()
+        check_int("batch", batch, minimum=1, why="rows of the cache")
+        check_int("max_len", max_len, minimum=1, why="positions of the cache: the prompt's tokens and the generated ones")
         cfg = model.config
         if max_len > cfg.n_positions:
             raise InputError(f"max_len {max_len} exceeds GPT-2's {cfg.n_positions} positions")
@@ -208,13 +211,14 @@ class GreedyDecoder:
                     step()
 
             graphs = []
-            for fn, n in ((step, 1), (block, k)):
+            # a block of one step is the one-step graph: captured once (a second capture was never replayed)
+            for fn, n in ((step, 1),) if k == 1 else ((step, 1), (block, k)):
                 with torch.no_grad():
                     state.prefill(torch.zeros(batch, 1, dtype=torch.int64, device=state.pos.device))
                 graph, _ = self._backend.capture(fn, warmup=2, pool=self._pool,
                                          what=f"GPT-2 decode, {n} step(s) (batch {batch}, cache {max_len})")
                 graphs.append(graph)
-            slot = _Slot(state, graphs[0].replay, graphs[1].replay, k)
+            slot = _Slot(state, graphs[0].replay, graphs[-1].replay, k)
         self._slots[key] = slot
         return slot
 
