@@ -20,7 +20,7 @@ import torch
 from .capture import capture_graph
 from .checks import require_cuda
 from .errors import InputError
-from .timing import measure
+from .timing import measure, note_profiler_session
 
 _FIX = "the notebooks show the recorded result instead"
 
@@ -218,6 +218,7 @@ def _profile(activities: list):
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        note_profiler_session()
         with profile(activities=activities) as prof:
             yield prof
 

@@ -14,6 +14,7 @@ spreads across trials and speedups paired within each trial.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,6 +50,38 @@ class Timing:
     def __str__(self) -> str:
         return (f"{self.median_ms:.3f} ms median (p10 {self.p10_ms:.3f}, p90 {self.p90_ms:.3f}, "
                 f"n={self.n}, {self.clock})")
+
+
+class TimingAfterProfilerWarning(UserWarning):
+    """A host-bound timing ran after a torch.profiler session in the same process.
+
+    After a session, Kineto leaves CUPTI attached (pytorch/pytorch#144455), and every later runtime call pays for
+    its callbacks: on the H200 host the host cost of one small graph's replay went from 6.4 to 105.5 µs
+    (``benchmarks/profiler_aftereffect.py``, ``results/nvidia-h200/profiler_aftereffect``). Eager forwards and
+    small replays read slower; large replays, bound by the GPU, do not.
+    """
+
+
+_profiler_sessions = 0  # cgutils' own torch.profiler sessions so far in this process
+_after_profiler_warned = False
+
+
+def note_profiler_session() -> None:
+    """Count one torch.profiler session (cgutils' ``gpu_activity``, ``runtime_calls``, ``profile`` call this), so that a
+    later :func:`measure` or :func:`host_us_per_call` warns once with :class:`TimingAfterProfilerWarning`."""
+    global _profiler_sessions
+    _profiler_sessions += 1
+
+
+def _warn_if_after_profiler(what: str) -> None:
+    global _after_profiler_warned
+    if _profiler_sessions and not _after_profiler_warned:
+        _after_profiler_warned = True
+        warnings.warn(
+            f"{what} runs after {_profiler_sessions} torch.profiler session(s) in this process; CUPTI stays attached "
+            "after a session, so host-bound timings (eager forwards, small replays) read slower than in a fresh "
+            "process (pytorch/pytorch#144455). Time first and profile last, or time in a fresh process. "
+            "Shown once per process.", TimingAfterProfilerWarning, stacklevel=3)
 
 
 def summarize(samples_ms: np.typing.ArrayLike, clock: str) -> Timing:
@@ -111,12 +144,17 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
         InputError: ``fn`` not callable; ``warmup``/``iters`` not ints or out of range; a device other
             than CUDA or CPU. Exceptions raised by ``fn`` propagate.
         NoCudaError: ``device="cuda"`` when no CUDA device is visible.
+
+    Warns:
+        TimingAfterProfilerWarning: once per process, on CUDA, when cgutils has run a torch.profiler session before.
     """
     if not callable(fn):
         raise InputError(f"measure needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
     check_int("warmup", warmup, minimum=0, why="untimed calls before timing starts")
     check_int("iters", iters, minimum=1, why="timed calls")
     dev = _timing_device(device, "measure")
+    if dev.type == "cuda":
+        _warn_if_after_profiler("this timing")
 
     for _ in range(warmup):
         fn()
@@ -157,6 +195,9 @@ def host_us_per_call(fn: Callable[[], Any], *, calls: int = 200, warmup: int = 1
 
     Raises:
         InputError: ``fn`` not callable; ``calls``/``warmup`` not ints or out of range; an unknown ``clock``.
+
+    Warns:
+        TimingAfterProfilerWarning: once per process, when cgutils has run a torch.profiler session before.
     """
     if not callable(fn):
         raise InputError(f"host_us_per_call needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
@@ -166,6 +207,8 @@ def host_us_per_call(fn: Callable[[], Any], *, calls: int = 200, warmup: int = 1
     if clock not in clocks:
         raise InputError(f"clock must be one of {sorted(clocks)}, got {clock!r}")
     now = clocks[clock]
+    if torch.cuda.is_available():
+        _warn_if_after_profiler("this host timing")
     for _ in range(warmup):
         fn()
     device_sync()

@@ -470,12 +470,15 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
     import torch
     from torch.profiler import ProfilerActivity, schedule
 
+    from .timing import note_profiler_session
+
     out = Path(path)
     if not out.name.endswith((".json", ".json.gz")):
         out = out.with_name(out.name + ".json.gz")
     out.parent.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    note_profiler_session()
     with torch.profiler.profile(activities=acts, record_shapes=record_shapes,
                                 schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
                                 on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:

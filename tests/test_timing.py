@@ -225,3 +225,32 @@ def test_host_us_per_call_times_the_calls_on_the_chosen_clock():
         host_us_per_call(lambda: None, clock="gpu")
     with pytest.raises(cg.InputError, match="needs a callable"):
         host_us_per_call(42)
+
+
+def test_timing_after_a_profiler_session_warns_once(monkeypatch, tmp_path):
+    """cgutils' own profiler sessions are counted, and the first host-bound timing after one says so, once."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity
+
+    from cgutils import overhead, timing
+
+    monkeypatch.setattr(timing, "_profiler_sessions", 0)
+    monkeypatch.setattr(timing, "_after_profiler_warned", False)
+    monkeypatch.setattr(timing, "device_sync", lambda *a: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", timing.TimingAfterProfilerWarning)
+        cg.host_us_per_call(lambda: None, calls=2)  # no session yet: silent
+    with overhead._profile([ProfilerActivity.CPU]):
+        pass
+    cg.profile(lambda: None, tmp_path / "t", warmup=0, active=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", timing.TimingAfterProfilerWarning)
+        cg.host_us_per_call(lambda: None, calls=2)  # without CUDA there is no CUPTI to stay attached: silent
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: True)
+    assert timing._profiler_sessions == 2
+    with pytest.warns(timing.TimingAfterProfilerWarning, match="after 2 torch.profiler session"):
+        cg.host_us_per_call(lambda: None, calls=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", timing.TimingAfterProfilerWarning)
+        cg.host_us_per_call(lambda: None, calls=2)  # once per process
