@@ -6,8 +6,9 @@ Kineto leaves CUPTI attached after a profile ends.) One process per setting, pla
 each measured before and after one ``torch.profiler.profile(activities=[CPU, CUDA])`` of a few calls, in a
 fresh process, once with the environment as is, once with ``TEARDOWN_CUPTI=1`` in the process's environment from
 its start, once with it set by the process itself (``os.environ``) after CUDA graphs were captured, and once set
-around each session only (set before, the earlier value restored after), as a library would (whether this torch
-honours each is what the run shows). Every setting then profiles a second time, with a graph replay inside (CUPTI
+around each session only (set before, the earlier value restored after), as a library would, and set by the process
+with 50 ms of sleeps and syncs after each session, so that Kineto's pending teardown can finish before anything else
+(whether this torch honours each is what the run shows). Every setting then profiles a second time, with a graph replay inside (CUPTI
 re-initialised after a teardown, with graphs alive: the crash torch's own comments warn of for CUDA 11/12),
 measures again (``after2``), runs two sessions back to back and counts the GPU activities the second one saw (a
 session started while a teardown is pending can see none: pytorch/kineto#1554), captures a new graph and checks
@@ -76,6 +77,10 @@ def session(activities):
     finally:
         if scoped:
             os.environ.pop("TEARDOWN_CUPTI", None) if before_env is None else os.environ.update(TEARDOWN_CUPTI=before_env)
+    if "--settle" in sys.argv:  # Kineto's teardown thread finalizes CUPTI at the exit of a later runtime call: give it some
+        for _ in range(5):
+            time.sleep(0.01)
+            torch.cuda.synchronize()
 
 
 def gpu_activities(prof):
@@ -113,7 +118,8 @@ print(json.dumps({"before": before, "after": after, "after2": after2, "second_pr
 
 RUNTIME = "TEARDOWN_CUPTI=1 set by the process"
 SCOPED = "TEARDOWN_CUPTI=1 around each session only"
-SETTINGS = ("default", "TEARDOWN_CUPTI=1", RUNTIME, SCOPED)
+SETTLED = "TEARDOWN_CUPTI=1 set by the process, settled after each session"
+SETTINGS = ("default", "TEARDOWN_CUPTI=1", RUNTIME, SCOPED, SETTLED)
 
 
 def main() -> None:
@@ -136,7 +142,8 @@ def main() -> None:
         env.pop("TEARDOWN_CUPTI", None)
         if setting == "TEARDOWN_CUPTI=1":
             env["TEARDOWN_CUPTI"] = "1"
-        flags = {RUNTIME: ["--set-at-runtime"], SCOPED: ["--scoped"]}.get(setting, [])
+        flags = {RUNTIME: ["--set-at-runtime"], SCOPED: ["--scoped"],
+                 SETTLED: ["--set-at-runtime", "--settle"]}.get(setting, [])
         run = subprocess.run([sys.executable, "-c", CHILD, *flags], env=env, capture_output=True, text=True,
                              timeout=180)
         if run.returncode != 0:
