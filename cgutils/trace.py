@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import gzip
 import math
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -479,11 +480,13 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     note_profiler_session()
-    with torch.profiler.profile(activities=acts, record_shapes=record_shapes,
-                                schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
-                                on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
-        for _ in range(warmup + active):
-            fn()
-            sync()
-            prof.step()
+    with warnings.catch_warnings():  # torch 2.11 warns once per process that a cycle clears events: one cycle here
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with torch.profiler.profile(activities=acts, record_shapes=record_shapes,
+                                    schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                                    on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+            for _ in range(warmup + active):
+                fn()
+                sync()
+                prof.step()
     return out
