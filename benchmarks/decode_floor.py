@@ -203,12 +203,13 @@ class HFRoute:
 
 def kernel_profile(fn, per: int) -> dict:
     """Kernels, memcpy/memset and GPU-busy µs per step from a torch.profiler trace (CUDA activity) of ``fn``."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     from cgutils.capture.inspect import kernel_family
+    from cgutils.timing import profiler_session
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profiler_session(activities=[ProfilerActivity.CUDA]) as prof:  # CUPTI torn down: later trials unslowed
         fn()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:

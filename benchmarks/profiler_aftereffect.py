@@ -7,7 +7,8 @@ each measured before and after one ``torch.profiler.profile(activities=[CPU, CUD
 fresh process, once with the environment as is, once with ``TEARDOWN_CUPTI=1`` in the process's environment from
 its start, once with it set by the process itself (``os.environ``) after CUDA graphs were captured, and once set
 around each session only (set before, the earlier value restored after), as a library would, and set by the process
-with 50 ms of sleeps and syncs after each session, so that Kineto's pending teardown can finish before anything else
+with 50 ms of sleeps and syncs after each session, so that Kineto's pending teardown can finish before anything else,
+and set around each session with those 50 ms before it is restored (what ``cgutils.timing.profiler_session`` does)
 (whether this torch honours each is what the run shows). Every setting then profiles a second time, with a graph replay inside (CUPTI
 re-initialised after a teardown, with graphs alive: the crash torch's own comments warn of for CUDA 11/12),
 measures again (``after2``), runs two sessions back to back and counts the GPU activities the second one saw (a
@@ -74,13 +75,13 @@ def session(activities):
     try:
         with torch.profiler.profile(activities=activities) as p:
             yield p
-    finally:
+        if "--settle" in sys.argv:  # Kineto finalizes CUPTI's teardown at the exit of a later runtime call: give it some
+            for _ in range(5):
+                time.sleep(0.01)
+                torch.cuda.synchronize()
+    finally:  # settled before the variable is restored, so that the teardown still sees it
         if scoped:
             os.environ.pop("TEARDOWN_CUPTI", None) if before_env is None else os.environ.update(TEARDOWN_CUPTI=before_env)
-    if "--settle" in sys.argv:  # Kineto's teardown thread finalizes CUPTI at the exit of a later runtime call: give it some
-        for _ in range(5):
-            time.sleep(0.01)
-            torch.cuda.synchronize()
 
 
 def gpu_activities(prof):
@@ -119,7 +120,8 @@ print(json.dumps({"before": before, "after": after, "after2": after2, "second_pr
 RUNTIME = "TEARDOWN_CUPTI=1 set by the process"
 SCOPED = "TEARDOWN_CUPTI=1 around each session only"
 SETTLED = "TEARDOWN_CUPTI=1 set by the process, settled after each session"
-SETTINGS = ("default", "TEARDOWN_CUPTI=1", RUNTIME, SCOPED, SETTLED)
+SCOPED_SETTLED = "TEARDOWN_CUPTI=1 around each session, settled before it is restored"
+SETTINGS = ("default", "TEARDOWN_CUPTI=1", RUNTIME, SCOPED, SETTLED, SCOPED_SETTLED)
 
 
 def main() -> None:
@@ -143,7 +145,7 @@ def main() -> None:
         if setting == "TEARDOWN_CUPTI=1":
             env["TEARDOWN_CUPTI"] = "1"
         flags = {RUNTIME: ["--set-at-runtime"], SCOPED: ["--scoped"],
-                 SETTLED: ["--set-at-runtime", "--settle"]}.get(setting, [])
+                 SETTLED: ["--set-at-runtime", "--settle"], SCOPED_SETTLED: ["--scoped", "--settle"]}.get(setting, [])
         run = subprocess.run([sys.executable, "-c", CHILD, *flags], env=env, capture_output=True, text=True,
                              timeout=180)
         if run.returncode != 0:

@@ -8,9 +8,7 @@ All GPU timings use CUDA events (``cgutils.timing.measure``); every function ret
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,7 +18,7 @@ import torch
 from .capture import capture_graph
 from .checks import require_cuda
 from .errors import InputError
-from .timing import measure, note_profiler_session
+from .timing import measure, profiler_session
 
 _FIX = "the notebooks show the recorded result instead"
 
@@ -190,10 +188,9 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     supports it; a count of 0 for a replay means it did not. The first profiler session of a process
     can report extra activities, so a throw-away session runs first.
 
-    Time before you profile: after a torch.profiler session, every later launch in the same process stays slower,
-    because CUPTI stays attached (pytorch/pytorch#144455; ``benchmarks/profiler_aftereffect.py``). Tearing CUPTI
-    down (``TEARDOWN_CUPTI=1``) is no way out in torch 2.11: set for one session and restored it did not detach,
-    and set for the process it left the next session without GPU activities (pending/session19/README.md).
+    The session is a :func:`cgutils.timing.profiler_session`: CUPTI is torn down after it, so timings made later in
+    the process are not slowed by it (a plain torch.profiler session leaves CUPTI attached: pytorch/pytorch#144455;
+    ``benchmarks/profiler_aftereffect.py``).
 
     Raises:
         NoCudaError: without a CUDA device.
@@ -203,31 +200,18 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     require_cuda("gpu_activity", _FIX)
     _warm_profiler()
     torch.cuda.synchronize()
-    with _profile([ProfilerActivity.CUDA]) as prof:
+    with profiler_session(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(acts), float(sum(e.time_range.elapsed_us() for e in acts))
 
 
-@contextlib.contextmanager
-def _profile(activities: list):
-    """``torch.profiler.profile`` without its once-per-process "Profiler clears events at the end of each cycle"
-    warning, which torch 2.11 printed in a lesson's output; every session here is a single cycle."""
-    from torch.profiler import profile
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Profiler clears events")
-        note_profiler_session()
-        with profile(activities=activities) as prof:
-            yield prof
-
-
 @functools.cache
 def _warm_profiler() -> None:
     from torch.profiler import ProfilerActivity
 
-    with _profile([ProfilerActivity.CUDA]):
+    with profiler_session(activities=[ProfilerActivity.CUDA]):
         torch.zeros(1, device="cuda").add_(1)
         torch.cuda.synchronize()
 
@@ -320,7 +304,7 @@ def runtime_calls(run: Callable[[], Any]) -> dict[str, int]:
 
     require_cuda("runtime_calls", _FIX)
     torch.cuda.synchronize()
-    with _profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profiler_session(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     names = (e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import gzip
 import math
-import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -460,6 +459,8 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
 
     ``warmup`` calls run under the profiler's warm-up phase (traced but discarded, so start-up costs
     stay out), then ``active`` calls are recorded. CPU activity always, CUDA when available.
+    The session is a :func:`cgutils.timing.profiler_session`: CUPTI is torn down after it (~50 ms), so timings
+    made later in the process read as they did before it.
 
     Args:
         fn: callable with no arguments, e.g. ``lambda: model(x)``.
@@ -471,7 +472,7 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
     import torch
     from torch.profiler import ProfilerActivity, schedule
 
-    from .timing import note_profiler_session
+    from .timing import profiler_session
 
     out = Path(path)
     if not out.name.endswith((".json", ".json.gz")):
@@ -479,14 +480,11 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
     out.parent.mkdir(parents=True, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    note_profiler_session()
-    with warnings.catch_warnings():  # torch 2.11 warns once per process that a cycle clears events: one cycle here
-        warnings.filterwarnings("ignore", message=".*Profiler clears events")
-        with torch.profiler.profile(activities=acts, record_shapes=record_shapes,
-                                    schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
-                                    on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
-            for _ in range(warmup + active):
-                fn()
-                sync()
-                prof.step()
+    with profiler_session(activities=acts, record_shapes=record_shapes,
+                          schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                          on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+        for _ in range(warmup + active):
+            fn()
+            sync()
+            prof.step()
     return out

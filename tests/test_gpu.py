@@ -777,3 +777,60 @@ def test_runner_graphs_survive_reduce_overhead_clearing_cublas_workspaces():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
     assert run.returncode == 0 and "OK" in run.stdout, run.stderr[-3000:]
     assert float(run.stdout.split("OK")[1]) < 1e-2
+
+
+def test_capture_graph_debug_writes_a_dot_dump_that_counts_its_kernels(tmp_path):
+    """Before the fix, ``debug=True`` made a default graph, which on torch 2.11 writes no DOT file."""
+    x = torch.zeros(64, device="cuda")
+
+    def three_adds():
+        for _ in range(3):
+            x.add_(1.0)
+        return x
+
+    graph, _ = cg.capture_graph(three_adds, warmup=1, debug=True)
+    path = tmp_path / "g.dot"
+    graph.debug_dump(str(path))
+    assert path.exists(), "debug=True should make a graph whose debug_dump writes a file"
+    assert cg.graph_node_types(path.read_text()).get("KERNEL", 0) == 3
+    before = x.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, before + 3)
+
+
+def test_cgutils_profiler_sessions_leave_later_replays_unslowed_and_see_every_kernel():
+    """Before profiler_session, a cgutils session left CUPTI attached: one replay of this 256-node graph then cost
+    ~16x the host time for the rest of the process (benchmarks/profiler_aftereffect.py); and a session begun while
+    a teardown was pending saw no kernel at all."""
+    import statistics
+    import time
+
+    x = torch.zeros(1024, device="cuda")
+
+    def chain():
+        for _ in range(256):
+            x.add_(1.0)
+
+    graph, _ = cg.capture_graph(chain, warmup=2)
+
+    def replay_host_us():
+        samples = []
+        for _ in range(200):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            graph.replay()
+            samples.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        return statistics.median(samples)
+
+    before = replay_host_us()
+    seen = [cg.gpu_activity(graph.replay)[0] for _ in range(3)]  # back to back
+    calls = cg.runtime_calls(graph.replay)
+    after = replay_host_us()
+    assert seen == [256, 256, 256]
+    assert calls == {"cudaGraphLaunch": 1}
+    assert after < 2 * before + 2.0, f"replay host µs {before:.1f} before the sessions, {after:.1f} after"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cg.timing.TimingAfterProfilerWarning)
+        cg.host_us_per_call(graph.replay, calls=5)

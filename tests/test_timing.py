@@ -228,7 +228,8 @@ def test_host_us_per_call_times_the_calls_on_the_chosen_clock():
 
 
 def test_timing_after_a_profiler_session_warns_once(monkeypatch, tmp_path):
-    """cgutils' own profiler sessions are counted, and the first host-bound timing after one says so, once."""
+    """cgutils' own profiler sessions are counted; the first host-bound timing after one that left CUPTI attached
+    says so, once, pointing at the caller's line; sessions torn down (the default) stay silent."""
     import warnings
 
     from torch.profiler import ProfilerActivity
@@ -236,21 +237,55 @@ def test_timing_after_a_profiler_session_warns_once(monkeypatch, tmp_path):
     from cgutils import overhead, timing
 
     monkeypatch.setattr(timing, "_profiler_sessions", 0)
+    monkeypatch.setattr(timing, "_attached_sessions", 0)
     monkeypatch.setattr(timing, "_after_profiler_warned", False)
     monkeypatch.setattr(timing, "device_sync", lambda *a: None)
+    monkeypatch.setattr(timing, "_settle_teardown", lambda: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", timing.TimingAfterProfilerWarning)
         cg.host_us_per_call(lambda: None, calls=2)  # no session yet: silent
-    with overhead._profile([ProfilerActivity.CPU]):
+    with timing.profiler_session(activities=[ProfilerActivity.CPU]):
         pass
     cg.profile(lambda: None, tmp_path / "t", warmup=0, active=1)
+    assert timing._profiler_sessions == 2 and timing._attached_sessions == 0  # no CUDA: no CUPTI to stay attached
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: True)
+    with timing.profiler_session(activities=[ProfilerActivity.CPU]):  # torn down: still silent
+        pass
     with warnings.catch_warnings():
         warnings.simplefilter("error", timing.TimingAfterProfilerWarning)
-        cg.host_us_per_call(lambda: None, calls=2)  # without CUDA there is no CUPTI to stay attached: silent
-    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: True)
-    assert timing._profiler_sessions == 2
-    with pytest.warns(timing.TimingAfterProfilerWarning, match="after 2 torch.profiler session"):
         cg.host_us_per_call(lambda: None, calls=2)
+    with timing.profiler_session(activities=[ProfilerActivity.CPU], teardown=False):
+        pass
+    assert timing._profiler_sessions == 4 and timing._attached_sessions == 1
+    with pytest.warns(timing.TimingAfterProfilerWarning, match="after 1 torch.profiler session") as record:
+        cg.host_us_per_call(lambda: None, calls=2)
+    assert record[0].filename == __file__, "the warning should point at the caller's line, not inside cgutils"
     with warnings.catch_warnings():
         warnings.simplefilter("error", timing.TimingAfterProfilerWarning)
         cg.host_us_per_call(lambda: None, calls=2)  # once per process
+    assert overhead.profiler_session is timing.profiler_session
+
+
+@pytest.mark.parametrize("before", [None, "0", "1"])
+def test_a_profiler_session_sets_teardown_for_itself_and_puts_the_environment_back(monkeypatch, before):
+    """The teardown switch is the caller's environment: set for the session, restored after it, also on error."""
+    import os
+
+    from torch.profiler import ProfilerActivity
+
+    from cgutils import timing
+
+    if before is None:
+        monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    else:
+        monkeypatch.setenv("TEARDOWN_CUPTI", before)
+    settles = []
+    monkeypatch.setattr(timing, "_settle_teardown", lambda: settles.append(os.environ.get("TEARDOWN_CUPTI")))
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: True)
+    with timing.profiler_session(activities=[ProfilerActivity.CPU]):
+        assert os.environ["TEARDOWN_CUPTI"] == "1"
+    assert os.environ.get("TEARDOWN_CUPTI") == before
+    assert settles == [before, "1"], "settle before the session, and after it while the switch is still set"
+    with pytest.raises(ZeroDivisionError), timing.profiler_session(activities=[ProfilerActivity.CPU]):
+        1 / 0
+    assert os.environ.get("TEARDOWN_CUPTI") == before
