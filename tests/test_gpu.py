@@ -829,7 +829,7 @@ def test_cgutils_profiler_sessions_leave_later_replays_unslowed_and_see_every_ke
     calls = cg.runtime_calls(graph.replay)
     after = replay_host_us()
     assert seen == [256, 256, 256]
-    assert calls == {"cudaGraphLaunch": 1}
+    assert calls.get("cudaGraphLaunch") == 1 and "cudaLaunchKernel" not in calls, calls
     assert after < 2 * before + 2.0, f"replay host µs {before:.1f} before the sessions, {after:.1f} after"
     with warnings.catch_warnings():
         warnings.simplefilter("error", cg.timing.TimingAfterProfilerWarning)
