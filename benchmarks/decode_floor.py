@@ -206,7 +206,7 @@ def kernel_profile(fn, per: int) -> dict:
     from torch.profiler import ProfilerActivity
 
     from cgutils.capture.inspect import kernel_family
-    from cgutils.timing import profiler_session
+    from cgutils.overhead import profiler_session
 
     torch.cuda.synchronize()
     with profiler_session(activities=[ProfilerActivity.CUDA]) as prof:  # CUPTI torn down: later trials unslowed

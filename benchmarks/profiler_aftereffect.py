@@ -8,7 +8,7 @@ fresh process, once with the environment as is, once with ``TEARDOWN_CUPTI=1`` i
 its start, once with it set by the process itself (``os.environ``) after CUDA graphs were captured, and once set
 around each session only (set before, the earlier value restored after), as a library would, and set by the process
 with 50 ms of sleeps and syncs after each session, so that Kineto's pending teardown can finish before anything else,
-and set around each session with those 50 ms before it is restored (what ``cgutils.timing.profiler_session`` does)
+and set around each session with those 50 ms before it is restored (what ``cgutils.overhead.profiler_session`` does)
 (whether this torch honours each is what the run shows). Every setting then profiles a second time, with a graph replay inside (CUPTI
 re-initialised after a teardown, with graphs alive: the crash torch's own comments warn of for CUDA 11/12),
 measures again (``after2``), runs two sessions back to back and counts the GPU activities the second one saw (a

@@ -61,7 +61,7 @@ from .errors import (
     exception_chain,
 )
 from .generation import GreedyDecoder, StaticKVState, StopTokenDecoder, hf_generate, hf_generate_until_eos
-from .overhead import gpu_activity, runtime_calls
+from .overhead import gpu_activity, profiler_session, runtime_calls
 from .pitfalls import PITFALLS, DropoutNet, Scaled
 from .recorded import setup_notebook
 from .store import ResultsStore, check_recordings, current_store
@@ -85,7 +85,7 @@ __all__ = [
     "RecordedCellError", "TraceFormatError", "exception_chain",
     # timing, annotation, traces, launch overhead
     "Timing", "device_sync", "host_us_per_call", "measure", "interleaved_trials", "summarize_trials", "nvtx_range", "annotate_modules",
-    "range_overhead_us", "Trace", "compare", "is_graph_launch", "load_trace", "profile", "union_length", "Coverage", "graph_coverage", "BucketPlan", "plan_buckets", "Divergence", "find_divergence", "gpu_activity", "runtime_calls",
+    "range_overhead_us", "Trace", "compare", "is_graph_launch", "load_trace", "profile", "union_length", "Coverage", "graph_coverage", "BucketPlan", "plan_buckets", "Divergence", "find_divergence", "gpu_activity", "profiler_session", "runtime_calls",
     # workloads, generation, benchmark suites
     "WORKLOADS", "get_workload", "GreedyDecoder", "StaticKVState", "hf_generate", "SUITES", "speedup_table",
     "summary_table", "eager_reference", "graph_methods_table", "method_targets", "memory_table", "validation_cost",

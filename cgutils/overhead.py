@@ -8,7 +8,11 @@ All GPU timings use CUDA events (``cgutils.timing.measure``); every function ret
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,7 +22,7 @@ import torch
 from .capture import capture_graph
 from .checks import require_cuda
 from .errors import InputError
-from .timing import measure, profiler_session
+from .timing import measure, note_profiler_session
 
 _FIX = "the notebooks show the recorded result instead"
 
@@ -182,13 +186,77 @@ def cpu_dispatch_cost(ops: int = 2000, repeats: int = 15):
     return pd.DataFrame(rows)
 
 
+TEARDOWN_ENV = "TEARDOWN_CUPTI"  # Kineto's switch: tear CUPTI down when a session ends
+
+
+def _settle_teardown() -> None:
+    """Give a pending CUPTI teardown the runtime calls it finishes on.
+
+    Kineto tears CUPTI down on the exit callback of a runtime call made after the session, not when the session
+    ends; a session started before then saw no GPU activity at all (pytorch/kineto#1554; 0 of 256 kernels on the
+    H200 in ``benchmarks/profiler_aftereffect.py``). Five 10 ms sleeps, each followed by a sync, let it finish
+    there (256 of 256): ~50 ms per session.
+    """
+    for _ in range(5):
+        time.sleep(0.01)
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
+    """``torch.profiler.profile(activities=activities, **kwargs)`` that leaves later timings as they were before it.
+
+    With CUDA and ``teardown`` (default), ``TEARDOWN_CUPTI=1`` is set in ``os.environ`` for the session and the
+    teardown Kineto then leaves pending is given runtime calls to finish on (:func:`_settle_teardown`, ~50 ms)
+    before the variable is put back as it was; the same settling runs before the session, so that a teardown left
+    pending by the caller's own session cannot blind this one. Measured on the H200 (torch 2.11, one process per
+    setting, ``benchmarks/profiler_aftereffect.py``): a plain session left one small replay's host cost ~16×
+    higher for the rest of the process; torn down and settled, it stayed as before and a session right after saw
+    every kernel. torch.profiler's once-per-process "Profiler clears events at the end of each cycle" warning is
+    silenced: cgutils' sessions are single cycles.
+
+    Args:
+        activities: ``torch.profiler.ProfilerActivity`` values.
+        teardown: ``False`` for a plain session (CUPTI stays attached; a later :func:`cgutils.measure` or
+            :func:`cgutils.host_us_per_call` warns once with ``cgutils.timing.TimingAfterProfilerWarning``).
+        **kwargs: passed to ``torch.profiler.profile`` (``schedule``, ``on_trace_ready``, ``record_shapes``).
+
+    Yields:
+        The ``torch.profiler.profile`` object.
+    """
+    from torch.profiler import profile
+
+    cuda = torch.cuda.is_available()
+    teardown = bool(teardown) and cuda
+    previous = os.environ.get(TEARDOWN_ENV)
+    if teardown:
+        _settle_teardown()
+        os.environ[TEARDOWN_ENV] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            with profile(activities=activities, **kwargs) as prof:
+                yield prof
+        if teardown:
+            _settle_teardown()
+    finally:
+        if teardown:
+            if previous is None:
+                os.environ.pop(TEARDOWN_ENV, None)
+            else:
+                os.environ[TEARDOWN_ENV] = previous
+        if cuda and not teardown:  # only a session that left CUPTI attached makes later timings warn
+            note_profiler_session()
+
+
+
 def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     """GPU activities (kernels, memcpy, memset) of one call of ``run`` and their summed GPU time (µs),
     from torch.profiler (CUPTI). Kernels replayed by a graph are reported as well where CUPTI
     supports it; a count of 0 for a replay means it did not. The first profiler session of a process
     can report extra activities, so a throw-away session runs first.
 
-    The session is a :func:`cgutils.timing.profiler_session`: CUPTI is torn down after it, so timings made later in
+    The session is a :func:`profiler_session`: CUPTI is torn down after it, so timings made later in
     the process are not slowed by it (a plain torch.profiler session leaves CUPTI attached: pytorch/pytorch#144455;
     ``benchmarks/profiler_aftereffect.py``).
 

@@ -13,9 +13,6 @@ spreads across trials and speedups paired within each trial.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -56,107 +53,35 @@ class Timing:
 
 
 class TimingAfterProfilerWarning(UserWarning):
-    """A host-bound timing ran after a torch.profiler session that left CUPTI attached, in the same process.
+    """A host-bound timing ran after a torch.profiler session in the same process.
 
-    After a plain session, Kineto leaves CUPTI attached (pytorch/pytorch#144455), and every later runtime call pays for
-    its callbacks: on the H200 host the host cost of one 256-node graph's replay went from 3.2 to 52.4 µs
+    After a session, Kineto leaves CUPTI attached (pytorch/pytorch#144455), and every later runtime call pays for
+    its callbacks: on the H200 host the host cost of one small graph's replay went from 6.4 to 105.5 µs
     (``benchmarks/profiler_aftereffect.py``, ``results/nvidia-h200/profiler_aftereffect``). Eager forwards and
-    small replays read slower; large replays, bound by the GPU, do not. :func:`profiler_session` (what cgutils'
-    own sessions use) tears CUPTI down after the session, so only ``profiler_session(teardown=False)`` warns.
+    small replays read slower; large replays, bound by the GPU, do not.
     """
 
 
-TEARDOWN_ENV = "TEARDOWN_CUPTI"  # Kineto's switch: tear CUPTI down when a session ends
 _profiler_sessions = 0  # cgutils' own torch.profiler sessions so far in this process
-_attached_sessions = 0  # ... of them, those that left CUPTI attached
 _after_profiler_warned = False
 
 
-def note_profiler_session(torn_down: bool = False) -> None:
-    """Count one torch.profiler session; one that left CUPTI attached (``torn_down=False``) makes a later
-    :func:`measure` or :func:`host_us_per_call` warn once with :class:`TimingAfterProfilerWarning`."""
-    global _profiler_sessions, _attached_sessions
+def note_profiler_session() -> None:
+    """Count one torch.profiler session (cgutils' ``gpu_activity``, ``runtime_calls``, ``profile`` call this), so that a
+    later :func:`measure` or :func:`host_us_per_call` warns once with :class:`TimingAfterProfilerWarning`."""
+    global _profiler_sessions
     _profiler_sessions += 1
-    _attached_sessions += not torn_down
-
-
-def _settle_teardown() -> None:
-    """Give a pending CUPTI teardown the runtime calls it finishes on.
-
-    Kineto tears CUPTI down on the exit callback of a runtime call made after the session, not when the session
-    ends; a session started before then saw no GPU activity at all (pytorch/kineto#1554; 0 of 256 kernels on the
-    H200 in ``benchmarks/profiler_aftereffect.py``). Five 10 ms sleeps, each followed by a sync, let it finish
-    there (256 of 256): ~50 ms per session.
-    """
-    for _ in range(5):
-        time.sleep(0.01)
-        torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
-    """``torch.profiler.profile(activities=activities, **kwargs)`` that leaves later timings as they were before it.
-
-    With CUDA and ``teardown`` (default), ``TEARDOWN_CUPTI=1`` is set in ``os.environ`` for the session and the
-    teardown Kineto then leaves pending is given runtime calls to finish on (:func:`_settle_teardown`, ~50 ms)
-    before the variable is put back as it was; the same settling runs before the session, so that a teardown left
-    pending by the caller's own session cannot blind this one. Measured on the H200 (torch 2.11, one process per
-    setting, ``benchmarks/profiler_aftereffect.py``): a plain session left one small replay's host cost ~16×
-    higher for the rest of the process; torn down and settled, it stayed as before and a session right after saw
-    every kernel. torch.profiler's once-per-process "Profiler clears events at the end of each cycle" warning is
-    silenced: cgutils' sessions are single cycles.
-
-    Args:
-        activities: ``torch.profiler.ProfilerActivity`` values.
-        teardown: ``False`` for a plain session (CUPTI stays attached; a later timing warns).
-        **kwargs: passed to ``torch.profiler.profile`` (``schedule``, ``on_trace_ready``, ``record_shapes``).
-
-    Yields:
-        The ``torch.profiler.profile`` object.
-    """
-    from torch.profiler import profile
-
-    cuda = torch.cuda.is_available()
-    teardown = bool(teardown) and cuda
-    previous = os.environ.get(TEARDOWN_ENV)
-    if teardown:
-        _settle_teardown()
-        os.environ[TEARDOWN_ENV] = "1"
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Profiler clears events")
-            with profile(activities=activities, **kwargs) as prof:
-                yield prof
-        if teardown:
-            _settle_teardown()
-    finally:
-        if teardown:
-            if previous is None:
-                os.environ.pop(TEARDOWN_ENV, None)
-            else:
-                os.environ[TEARDOWN_ENV] = previous
-        note_profiler_session(torn_down=teardown or not cuda)
-
-
-def _outside_cgutils_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside this package (the caller's line)."""
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _warn_if_after_profiler(what: str) -> None:
     global _after_profiler_warned
-    if _attached_sessions and not _after_profiler_warned:
+    if _profiler_sessions and not _after_profiler_warned:
         _after_profiler_warned = True
         warnings.warn(
-            f"{what} runs after {_attached_sessions} torch.profiler session(s) that left CUPTI attached in this process, "
-            "so host-bound timings (eager forwards, small replays) read slower than in a fresh process "
-            "(pytorch/pytorch#144455). Time first and profile last, or profile with cgutils.timing.profiler_session "
-            "(CUPTI torn down after the session). Shown once per process.",
-            TimingAfterProfilerWarning, stacklevel=_outside_cgutils_stacklevel())
+            f"{what} runs after {_profiler_sessions} torch.profiler session(s) in this process; CUPTI stays attached "
+            "after a session, so host-bound timings (eager forwards, small replays) read slower than in a fresh "
+            "process (pytorch/pytorch#144455). Time first and profile last, or time in a fresh process. "
+            "Shown once per process.", TimingAfterProfilerWarning, stacklevel=3)
 
 
 def summarize(samples_ms: np.typing.ArrayLike, clock: str) -> Timing:
@@ -221,7 +146,7 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
         NoCudaError: ``device="cuda"`` when no CUDA device is visible.
 
     Warns:
-        TimingAfterProfilerWarning: once per process, on CUDA, after a cgutils profiler session that left CUPTI attached.
+        TimingAfterProfilerWarning: once per process, on CUDA, when cgutils has run a torch.profiler session before.
     """
     if not callable(fn):
         raise InputError(f"measure needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
@@ -272,7 +197,7 @@ def host_us_per_call(fn: Callable[[], Any], *, calls: int = 200, warmup: int = 1
         InputError: ``fn`` not callable; ``calls``/``warmup`` not ints or out of range; an unknown ``clock``.
 
     Warns:
-        TimingAfterProfilerWarning: once per process, after a cgutils profiler session that left CUPTI attached.
+        TimingAfterProfilerWarning: once per process, when cgutils has run a torch.profiler session before.
     """
     if not callable(fn):
         raise InputError(f"host_us_per_call needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")

@@ -459,7 +459,7 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
 
     ``warmup`` calls run under the profiler's warm-up phase (traced but discarded, so start-up costs
     stay out), then ``active`` calls are recorded. CPU activity always, CUDA when available.
-    The session is a :func:`cgutils.timing.profiler_session`: CUPTI is torn down after it (~50 ms), so timings
+    The session is a :func:`cgutils.overhead.profiler_session`: CUPTI is torn down after it (~50 ms), so timings
     made later in the process read as they did before it.
 
     Args:
@@ -472,7 +472,7 @@ def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_sh
     import torch
     from torch.profiler import ProfilerActivity, schedule
 
-    from .timing import profiler_session
+    from .overhead import profiler_session
 
     out = Path(path)
     if not out.name.endswith((".json", ".json.gz")):
