@@ -202,14 +202,31 @@ def _settle_teardown() -> None:
         torch.cuda.synchronize()
 
 
+def _prime_teardown(profile) -> None:
+    """A throw-away session, torn down and settled, before the real one.
+
+    After a plain session (CUPTI left attached), the first session run with ``TEARDOWN_CUPTI=1`` saw no GPU work at
+    all on the H200 (torch 2.11): notebook 07's trace of a replay held no graph launch with GPU work, and notebook 11's
+    ``runtime_calls`` came back empty, while the session after it was whole. This session takes that place.
+    """
+    from torch.profiler import ProfilerActivity
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            torch.cuda.synchronize()
+    _settle_teardown()
+
+
 @contextlib.contextmanager
 def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
     """``torch.profiler.profile(activities=activities, **kwargs)`` that leaves later timings as they were before it.
 
     With CUDA and ``teardown`` (default), ``TEARDOWN_CUPTI=1`` is set in ``os.environ`` for the session and the
     teardown Kineto then leaves pending is given runtime calls to finish on (:func:`_settle_teardown`, ~50 ms)
-    before the variable is put back as it was; the same settling runs before the session, so that a teardown left
-    pending by the caller's own session cannot blind this one. Measured on the H200 (torch 2.11, one process per
+    before the variable is put back as it was. Before the session the same settling runs, then a throw-away session
+    (:func:`_prime_teardown`), so that neither a teardown left pending nor CUPTI left attached by the caller's own
+    plain session can blind this one (~100 ms per session in all). Measured on the H200 (torch 2.11, one process per
     setting, ``benchmarks/profiler_aftereffect.py``): a plain session left one small replay's host cost ~16×
     higher for the rest of the process; torn down and settled, it stayed as before and a session right after saw
     every kernel. torch.profiler's once-per-process "Profiler clears events at the end of each cycle" warning is
@@ -232,6 +249,7 @@ def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
     if teardown:
         _settle_teardown()
         os.environ[TEARDOWN_ENV] = "1"
+        _prime_teardown(profile)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Profiler clears events")
