@@ -9,7 +9,6 @@ All GPU timings use CUDA events (``cgutils.timing.measure``); every function ret
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 import warnings
@@ -202,19 +201,30 @@ def _settle_teardown() -> None:
         torch.cuda.synchronize()
 
 
-def _prime_teardown(profile) -> None:
+@contextlib.contextmanager
+def _quiet_profile(**kwargs: Any):
+    """``torch.profiler.profile(**kwargs)`` without its once-per-process "Profiler clears events at the end of each
+    cycle" warning: cgutils' sessions are single cycles."""
+    from torch.profiler import profile
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(**kwargs) as prof:
+            yield prof
+
+
+def _prime_teardown() -> None:
     """A throw-away session, torn down and settled, before the real one.
 
     After a plain session (CUPTI left attached), the first session run with ``TEARDOWN_CUPTI=1`` saw no GPU work at
     all on the H200 (torch 2.11): notebook 07's trace of a replay held no graph launch with GPU work, and notebook 11's
-    ``runtime_calls`` came back empty, while the session after it was whole. This session takes that place.
+    ``runtime_calls`` came back empty, while the session after it was whole. This session takes that place; it is
+    also the throw-away first session of a process, whose counts can hold extra activities.
     """
     from torch.profiler import ProfilerActivity
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Profiler clears events")
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-            torch.cuda.synchronize()
+    with _quiet_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        torch.cuda.synchronize()
     _settle_teardown()
 
 
@@ -230,7 +240,7 @@ def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
     setting, ``benchmarks/profiler_aftereffect.py``): a plain session left one small replay's host cost ~16×
     higher for the rest of the process; torn down and settled, it stayed as before and a session right after saw
     every kernel. torch.profiler's once-per-process "Profiler clears events at the end of each cycle" warning is
-    silenced: cgutils' sessions are single cycles.
+    silenced (:func:`_quiet_profile`).
 
     Args:
         activities: ``torch.profiler.ProfilerActivity`` values.
@@ -241,20 +251,16 @@ def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
     Yields:
         The ``torch.profiler.profile`` object.
     """
-    from torch.profiler import profile
-
     cuda = torch.cuda.is_available()
     teardown = bool(teardown) and cuda
     previous = os.environ.get(TEARDOWN_ENV)
     if teardown:
         _settle_teardown()
         os.environ[TEARDOWN_ENV] = "1"
-        _prime_teardown(profile)
+        _prime_teardown()
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Profiler clears events")
-            with profile(activities=activities, **kwargs) as prof:
-                yield prof
+        with _quiet_profile(activities=activities, **kwargs) as prof:
+            yield prof
         if teardown:
             _settle_teardown()
     finally:
@@ -267,12 +273,11 @@ def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
             note_profiler_session()
 
 
-
 def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     """GPU activities (kernels, memcpy, memset) of one call of ``run`` and their summed GPU time (µs),
     from torch.profiler (CUPTI). Kernels replayed by a graph are reported as well where CUPTI
     supports it; a count of 0 for a replay means it did not. The first profiler session of a process
-    can report extra activities, so a throw-away session runs first.
+    can report extra activities; :func:`profiler_session`'s throw-away session runs first.
 
     The session is a :func:`profiler_session`: CUPTI is torn down after it, so timings made later in
     the process are not slowed by it (a plain torch.profiler session leaves CUPTI attached: pytorch/pytorch#144455;
@@ -284,22 +289,12 @@ def gpu_activity(run: Callable[[], Any]) -> tuple[int, float]:
     from torch.profiler import ProfilerActivity
 
     require_cuda("gpu_activity", _FIX)
-    _warm_profiler()
     torch.cuda.synchronize()
     with profiler_session(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     acts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(acts), float(sum(e.time_range.elapsed_us() for e in acts))
-
-
-@functools.cache
-def _warm_profiler() -> None:
-    from torch.profiler import ProfilerActivity
-
-    with profiler_session(activities=[ProfilerActivity.CUDA]):
-        torch.zeros(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
 
 
 def launch_bound_table(progress: bool = True):

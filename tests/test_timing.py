@@ -241,7 +241,7 @@ def test_timing_after_a_profiler_session_warns_once(monkeypatch, tmp_path):
     monkeypatch.setattr(timing, "_after_profiler_warned", False)
     monkeypatch.setattr(timing, "device_sync", lambda *a: None)
     monkeypatch.setattr(overhead, "_settle_teardown", lambda: None)
-    monkeypatch.setattr(overhead, "_prime_teardown", lambda profile: None)
+    monkeypatch.setattr(overhead, "_prime_teardown", lambda: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", timing.TimingAfterProfilerWarning)
         cg.host_us_per_call(lambda: None, calls=2)  # no session yet: silent
@@ -281,7 +281,7 @@ def test_a_profiler_session_sets_teardown_for_itself_and_puts_the_environment_ba
         monkeypatch.setenv("TEARDOWN_CUPTI", before)
     settles = []
     monkeypatch.setattr(overhead, "_settle_teardown", lambda: settles.append(os.environ.get("TEARDOWN_CUPTI")))
-    monkeypatch.setattr(overhead, "_prime_teardown", lambda profile: settles.append("primed " + os.environ["TEARDOWN_CUPTI"]))
+    monkeypatch.setattr(overhead, "_prime_teardown", lambda: settles.append("primed " + os.environ["TEARDOWN_CUPTI"]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with cg.profiler_session(activities=[ProfilerActivity.CPU]):
         assert os.environ["TEARDOWN_CUPTI"] == "1"
