@@ -254,11 +254,11 @@ def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
     cuda = torch.cuda.is_available()
     teardown = bool(teardown) and cuda
     previous = os.environ.get(TEARDOWN_ENV)
-    if teardown:
-        _settle_teardown()
-        os.environ[TEARDOWN_ENV] = "1"
-        _prime_teardown()
     try:
+        if teardown:
+            _settle_teardown()
+            os.environ[TEARDOWN_ENV] = "1"
+            _prime_teardown()
         with _quiet_profile(activities=activities, **kwargs) as prof:
             yield prof
         if teardown:

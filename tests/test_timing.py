@@ -290,3 +290,24 @@ def test_a_profiler_session_sets_teardown_for_itself_and_puts_the_environment_ba
     with pytest.raises(RuntimeError, match="inside"), cg.profiler_session(activities=[ProfilerActivity.CPU]):
         raise RuntimeError("an error inside the session")
     assert os.environ.get("TEARDOWN_CUPTI") == before
+
+
+def test_a_failing_priming_session_still_puts_the_environment_back(monkeypatch):
+    """The switch was set before the try, so an error in the throw-away session left TEARDOWN_CUPTI=1 behind."""
+    import os
+
+    from torch.profiler import ProfilerActivity
+
+    from cgutils import overhead
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.setattr(overhead, "_settle_teardown", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def broken():
+        raise RuntimeError("CUPTI could not start")
+
+    monkeypatch.setattr(overhead, "_prime_teardown", broken)
+    with pytest.raises(RuntimeError, match="CUPTI"), cg.profiler_session(activities=[ProfilerActivity.CPU]):
+        pass
+    assert "TEARDOWN_CUPTI" not in os.environ
