@@ -250,9 +250,23 @@ def profiler_session(*, activities: list, teardown: bool = True, **kwargs: Any):
 
     Yields:
         The ``torch.profiler.profile`` object.
+
+    Raises:
+        InputError: ``activities`` not a non-empty list of ``ProfilerActivity``; ``teardown`` not a bool.
+        NoCudaError: ``ProfilerActivity.CUDA`` asked for without a CUDA device.
     """
+    from torch.profiler import ProfilerActivity
+
+    if not isinstance(activities, (list, tuple)) or not activities or \
+            not all(isinstance(a, ProfilerActivity) for a in activities):
+        raise InputError("activities must be a non-empty list of torch.profiler.ProfilerActivity values, e.g. "
+                         f"[ProfilerActivity.CPU, ProfilerActivity.CUDA]; got {activities!r}")
+    if not isinstance(teardown, bool):
+        raise InputError(f"teardown must be True or False, got {teardown!r}")
+    if ProfilerActivity.CUDA in activities:
+        require_cuda("profiler_session with ProfilerActivity.CUDA", "profile with [ProfilerActivity.CPU] only")
     cuda = torch.cuda.is_available()
-    teardown = bool(teardown) and cuda
+    teardown = teardown and cuda
     previous = os.environ.get(TEARDOWN_ENV)
     try:
         if teardown:

@@ -311,3 +311,21 @@ def test_a_failing_priming_session_still_puts_the_environment_back(monkeypatch):
     with pytest.raises(RuntimeError, match="CUPTI"), cg.profiler_session(activities=[ProfilerActivity.CPU]):
         pass
     assert "TEARDOWN_CUPTI" not in os.environ
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"activities": "cpu"}, "non-empty list"), ({"activities": []}, "non-empty list"),
+    ({"activities": ["CPU"]}, "non-empty list"), ({"activities": None}, "non-empty list"),
+    ({"activities": [torch.profiler.ProfilerActivity.CPU], "teardown": "no"}, "True or False")])
+def test_a_profiler_session_rejects_bad_arguments_before_it_starts(kwargs, message):
+    """A new user's try: these reached torch as raw TypeError/AssertionError, or (teardown="no") passed as True."""
+    with pytest.raises(cg.InputError, match=message), cg.profiler_session(**kwargs):
+        pass
+
+
+def test_a_cuda_profiler_session_without_a_gpu_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(cg.NoCudaError, match="ProfilerActivity.CPU"), \
+            cg.profiler_session(activities=[torch.profiler.ProfilerActivity.CUDA]):
+        pass
