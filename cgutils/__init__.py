@@ -61,12 +61,12 @@ from .errors import (
     exception_chain,
 )
 from .generation import GreedyDecoder, StaticKVState, StopTokenDecoder, hf_generate, hf_generate_until_eos
-from .overhead import gpu_activity, profiler_session, runtime_calls
+from .overhead import gpu_activity, profile, profiler_session, runtime_calls
 from .pitfalls import PITFALLS, DropoutNet, Scaled
 from .recorded import setup_notebook
 from .store import ResultsStore, check_recordings, current_store
 from .timing import Timing, device_sync, host_us_per_call, interleaved_trials, measure, summarize_trials
-from .trace import Trace, compare, is_graph_launch, load_trace, profile, union_length
+from .trace import Trace, compare, is_graph_launch, load_trace, union_length
 from .workloads import WORKLOADS, get_workload
 
 __all__ = [

@@ -1,5 +1,7 @@
 """Launch overhead, measured: per-launch cost eager vs per-node cost in a replayed graph, the kernel
-size at which GPU work hides the launch, the CPU-side dispatch cost, and how launch-bound real models are.
+size at which GPU work hides the launch, the CPU-side dispatch cost, and how launch-bound real models are;
+and the torch.profiler sessions that measure it (:func:`profiler_session`, :func:`profile`), which leave later
+timings as they were.
 
 All GPU timings use CUDA events (``cgutils.timing.measure``); every function returns a
 ``pandas.DataFrame`` in µs or ms as its columns say. The functions that need CUDA raise
@@ -13,13 +15,14 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from .capture import capture_graph
-from .checks import require_cuda
+from .checks import check_int, require_cuda
 from .errors import InputError
 from .timing import measure, note_profiler_session
 
@@ -404,3 +407,58 @@ def runtime_calls(run: Callable[[], Any]) -> dict[str, int]:
         torch.cuda.synchronize()
     names = (e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
     return dict(collections.Counter(n for n in names if n.startswith("cu") and n != "cudaDeviceSynchronize"))
+
+
+def profile(fn: Callable[[], Any], path: str | Path, *, warmup: int = 2, active: int = 3,
+            record_shapes: bool = False) -> Path:
+    """Profile ``fn()`` with torch.profiler and write a gzipped Chrome trace that opens in Perfetto.
+
+    ``warmup`` calls run under the profiler's warm-up phase (traced but discarded, so start-up costs
+    stay out), then ``active`` calls are recorded, each followed by a device sync. CPU activity always, CUDA
+    when available. The session is a :func:`profiler_session`: CUPTI is torn down after it (~100 ms with its
+    priming and settling), so timings made later in the process read as they did before it.
+    :func:`cgutils.load_trace` reads the file.
+
+    Args:
+        fn: callable with no arguments, e.g. ``lambda: model(x)``.
+        path: output file; ``.json.gz`` is appended unless it already ends in ``.json`` or ``.json.gz``.
+            Missing parent folders are made.
+        warmup: traced-and-discarded calls (>= 0).
+        active: recorded calls (>= 1).
+        record_shapes: record the input shapes of each operator (a larger trace).
+
+    Returns:
+        The path written.
+
+    Raises:
+        InputError: ``fn`` not callable; ``warmup``/``active`` not ints or out of range; ``record_shapes`` not a
+            bool; a ``path`` whose folder cannot be made or written (checked before ``fn`` runs).
+    """
+    from torch.profiler import ProfilerActivity, schedule
+
+    if not callable(fn):
+        raise InputError(f"profile needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
+    check_int("warmup", warmup, minimum=0, why="traced calls discarded before the recorded ones")
+    check_int("active", active, minimum=1, why="recorded calls")
+    if not isinstance(record_shapes, bool):
+        raise InputError(f"record_shapes must be True or False, got {record_shapes!r}")
+    out = Path(path)
+    if not out.name.endswith((".json", ".json.gz")):
+        out = out.with_name(out.name + ".json.gz")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"profile cannot make the folder for the trace {out}: {exc}; pass a path you can write") from exc
+    if out.is_dir() or not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise InputError(f"profile cannot write the trace to {out}; pass a writable file path")
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profiler_session(activities=acts, record_shapes=record_shapes,
+                          schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                          on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
+        for _ in range(warmup + active):
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            prof.step()
+    return out

@@ -13,6 +13,8 @@ spreads across trials and speedups paired within each trial.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -53,12 +55,14 @@ class Timing:
 
 
 class TimingAfterProfilerWarning(UserWarning):
-    """A host-bound timing ran after a torch.profiler session in the same process.
+    """A host-bound timing ran after a torch.profiler session that left CUPTI attached, in the same process.
 
-    After a session, Kineto leaves CUPTI attached (pytorch/pytorch#144455), and every later runtime call pays for
-    its callbacks: on the H200 host the host cost of one small graph's replay went from 6.4 to 105.5 µs
-    (``benchmarks/profiler_aftereffect.py``, ``results/nvidia-h200/profiler_aftereffect``). Eager forwards and
-    small replays read slower; large replays, bound by the GPU, do not.
+    After a plain session, Kineto leaves CUPTI attached (pytorch/pytorch#144455), and every later runtime call pays
+    for its callbacks: on the H200 host the host cost of one 256-node graph's replay went from 4.2 to 52.9 µs
+    (``benchmarks/profiler_aftereffect.py``, ``results/nvidia-h200/profiler_aftereffect``, torch 2.11). Eager
+    forwards and small replays read slower; large replays, bound by the GPU, do not.
+    :func:`cgutils.profiler_session` (what cgutils' own sessions use) tears CUPTI down after the session, so only
+    its ``teardown=False`` sessions make a later timing warn.
     """
 
 
@@ -67,8 +71,9 @@ _after_profiler_warned = False
 
 
 def note_profiler_session() -> None:
-    """Count one torch.profiler session (cgutils' ``gpu_activity``, ``runtime_calls``, ``profile`` call this), so that a
-    later :func:`measure` or :func:`host_us_per_call` warns once with :class:`TimingAfterProfilerWarning`."""
+    """Count one torch.profiler session that left CUPTI attached (:func:`cgutils.profiler_session` with
+    ``teardown=False`` calls this), so that a later :func:`measure` or :func:`host_us_per_call` warns once with
+    :class:`TimingAfterProfilerWarning`."""
     global _profiler_sessions
     _profiler_sessions += 1
 
@@ -78,10 +83,21 @@ def _warn_if_after_profiler(what: str) -> None:
     if _profiler_sessions and not _after_profiler_warned:
         _after_profiler_warned = True
         warnings.warn(
-            f"{what} runs after {_profiler_sessions} torch.profiler session(s) in this process; CUPTI stays attached "
-            "after a session, so host-bound timings (eager forwards, small replays) read slower than in a fresh "
-            "process (pytorch/pytorch#144455). Time first and profile last, or time in a fresh process. "
-            "Shown once per process.", TimingAfterProfilerWarning, stacklevel=3)
+            f"{what} runs after {_profiler_sessions} torch.profiler session(s) that left CUPTI attached in this "
+            "process, so host-bound timings (eager forwards, small replays) read slower than in a fresh process "
+            "(pytorch/pytorch#144455). Time first and profile last, or profile with cgutils.profiler_session "
+            "(CUPTI torn down after the session). Shown once per process.",
+            TimingAfterProfilerWarning, stacklevel=_outside_cgutils_stacklevel())
+
+
+def _outside_cgutils_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package: the caller's line, however
+    many cgutils frames (``interleaved_trials`` -> ``measure``) lie between."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2  # 1 is _warn_if_after_profiler, which calls warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def summarize(samples_ms: np.typing.ArrayLike, clock: str) -> Timing:
@@ -146,7 +162,7 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
         NoCudaError: ``device="cuda"`` when no CUDA device is visible.
 
     Warns:
-        TimingAfterProfilerWarning: once per process, on CUDA, when cgutils has run a torch.profiler session before.
+        TimingAfterProfilerWarning: once per process, on CUDA, after a profiler session that left CUPTI attached.
     """
     if not callable(fn):
         raise InputError(f"measure needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
@@ -197,7 +213,7 @@ def host_us_per_call(fn: Callable[[], Any], *, calls: int = 200, warmup: int = 1
         InputError: ``fn`` not callable; ``calls``/``warmup`` not ints or out of range; an unknown ``clock``.
 
     Warns:
-        TimingAfterProfilerWarning: once per process, when cgutils has run a torch.profiler session before.
+        TimingAfterProfilerWarning: once per process, after a profiler session that left CUPTI attached.
     """
     if not callable(fn):
         raise InputError(f"host_us_per_call needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")

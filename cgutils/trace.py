@@ -452,39 +452,3 @@ def load_trace(path: str | Path) -> Trace:
             df["correlation"] = pd.to_numeric(df["correlation"], errors="coerce").fillna(-1).astype("int64")
         frames[k] = df.sort_values("ts", kind="stable").reset_index(drop=True)
     return Trace(path=str(p), skipped=skipped, **frames)
-
-
-def profile(fn, path: str | Path, *, warmup: int = 2, active: int = 3, record_shapes: bool = False) -> Path:
-    """Profile ``fn()`` with torch.profiler and write a gzipped Chrome trace that opens in Perfetto.
-
-    ``warmup`` calls run under the profiler's warm-up phase (traced but discarded, so start-up costs
-    stay out), then ``active`` calls are recorded. CPU activity always, CUDA when available.
-    The session is a :func:`cgutils.overhead.profiler_session`: CUPTI is torn down after it (~50 ms), so timings
-    made later in the process read as they did before it.
-
-    Args:
-        fn: callable with no arguments, e.g. ``lambda: model(x)``.
-        path: output file; ``.json.gz`` is appended unless it already ends in ``.json`` or ``.json.gz``.
-
-    Returns:
-        The path written.
-    """
-    import torch
-    from torch.profiler import ProfilerActivity, schedule
-
-    from .overhead import profiler_session
-
-    out = Path(path)
-    if not out.name.endswith((".json", ".json.gz")):
-        out = out.with_name(out.name + ".json.gz")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    with profiler_session(activities=acts, record_shapes=record_shapes,
-                          schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
-                          on_trace_ready=lambda p: p.export_chrome_trace(str(out))) as prof:
-        for _ in range(warmup + active):
-            fn()
-            sync()
-            prof.step()
-    return out

@@ -848,3 +848,22 @@ def test_a_cgutils_session_right_after_a_plain_one_still_sees_the_replay():
     trace = cg.load_trace(cg.profile(lambda: runner(y), os.path.join(tempfile.mkdtemp(), "k.json.gz"), warmup=2, active=3))
     links = trace.links()
     assert links[cg.is_graph_launch(links.call)].correlation.nunique() >= 3
+
+
+def test_a_debug_capture_writes_a_dot_dump_that_counts_its_kernels(tmp_path):
+    """capture_graph(debug=True) promised a dump; on torch 2.11 a graph made without keep_graph writes none."""
+    x = torch.zeros(16, device="cuda")
+
+    def three():
+        for _ in range(3):
+            x.add_(1.0)
+
+    graph, _ = cg.capture_graph(three, warmup=1, debug=True)
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 3.0))
+    path = tmp_path / "g.dot"
+    graph.debug_dump(str(path))
+    assert path.exists(), "debug_dump wrote nothing"
+    assert cg.graph_node_types(path.read_text()).get("KERNEL") == 3

@@ -266,6 +266,25 @@ def test_timing_after_a_profiler_session_warns_once(monkeypatch, tmp_path):
         cg.host_us_per_call(lambda: None, calls=2)  # once per process
 
 
+def test_the_profiler_warning_names_the_callers_line_however_deep_in_cgutils_it_is_raised(monkeypatch):
+    """It pointed at a fixed 3 frames up, which named timing.py when measure ran under interleaved_trials."""
+    import os
+    import warnings
+
+    from cgutils import timing
+
+    monkeypatch.setattr(timing, "_profiler_sessions", 1)
+    monkeypatch.setattr(timing, "_after_profiler_warned", False)
+    # two frames that live in the package, as interleaved_trials -> measure do
+    source = "def outer():\n    inner()\ndef inner():\n    timing._warn_if_after_profiler('this timing')\n"
+    namespace = {"timing": timing}
+    exec(compile(source, os.path.join(os.path.dirname(timing.__file__), "_frames.py"), "exec"), namespace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        namespace["outer"]()
+    assert [os.path.abspath(w.filename) for w in caught] == [os.path.abspath(__file__)]
+
+
 @pytest.mark.parametrize("before", [None, "0", "1"])
 def test_a_profiler_session_sets_teardown_for_itself_and_puts_the_environment_back(monkeypatch, before):
     """The teardown switch is the caller's environment: set for the session, restored after it, also on error."""
@@ -329,3 +348,30 @@ def test_a_cuda_profiler_session_without_a_gpu_says_so():
     with pytest.raises(cg.NoCudaError, match="ProfilerActivity.CPU"), \
             cg.profiler_session(activities=[torch.profiler.ProfilerActivity.CUDA]):
         pass
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"fn": 42}, "needs a callable"), ({"warmup": -1}, "warmup must be an int >= 0"),
+    ({"active": 0}, "active must be an int >= 1"), ({"active": 2.0}, "active must be an int"),
+    ({"record_shapes": "yes"}, "True or False")])
+def test_profile_rejects_bad_arguments_before_fn_runs(tmp_path, kwargs, message):
+    """These reached torch as raw TypeError/AssertionError before, after fn had run."""
+    calls = []
+    args = {"fn": lambda: calls.append(1), "path": tmp_path / "t", **kwargs}
+    with pytest.raises(cg.InputError, match=message):
+        cg.profile(**args)
+    assert calls == []
+
+
+def test_profile_refuses_a_path_it_cannot_write_before_fn_runs(tmp_path):
+    """A path it cannot write failed with a raw OSError, and only after every call had run."""
+    calls = []
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_folder.json").mkdir()
+    with pytest.raises(cg.InputError, match="cannot make the folder"):
+        cg.profile(lambda: calls.append(1), tmp_path / "a_file" / "t", warmup=0, active=1)
+    with pytest.raises(cg.InputError, match="cannot write"):
+        cg.profile(lambda: calls.append(1), tmp_path / "a_folder.json", warmup=0, active=1)
+    assert calls == []
+    written = cg.profile(lambda: calls.append(1), tmp_path / "ok", warmup=1, active=2)
+    assert written.name == "ok.json.gz" and written.exists() and calls == [1, 1, 1]

@@ -222,8 +222,10 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
         on_warmup: called as ``on_warmup(i, output)`` after warm-up call ``i`` (0-based), on the side
             stream (e.g. to snapshot or restore state the call changed).
         what: name used in error messages.
-        debug: keep the graph's description so that ``graph.debug_dump(path)`` can write it as a
-            Graphviz DOT file (see :func:`cgutils.capture.graph_node_types`).
+        debug: make the graph with ``keep_graph=True`` and CUDA's debug mode on, so that
+            ``graph.debug_dump(path)`` can write it as a Graphviz DOT file (see
+            :func:`cgutils.capture.graph_node_types`); a default graph writes no dump on torch 2.11
+            (notebook 07 shows the kept one's).
         inspect: a :class:`~cgutils.capture.inspect.NodeAttribution` to watch the capture with; the graph
             is then made with ``keep_graph=True`` so that :func:`~cgutils.capture.inspect.node_table` can
             read its nodes (host memory for the kept graph; no effect on replay).
@@ -277,7 +279,8 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                     fn, breaks, pool, side, keep_graph=inspect is not None, watch=inspect,
                     reset=lambda: (reset_rng_after_failed_capture(), rng_restore(rng)))
             else:
-                graph = torch.cuda.CUDAGraph(keep_graph=True) if inspect is not None else torch.cuda.CUDAGraph()
+                keep = inspect is not None or debug
+                graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
                 if debug:
                     graph.enable_debug_mode()
                 ctx = _Ending(torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"))
@@ -290,7 +293,7 @@ def capture_graph(fn: Callable[[], Any], *, warmup: int = 3, pool: Any = None,
                     # error there left the caller on the capture stream (torch 2.11 and 2.14 alike).
                     end_abandoned_capture(graph, ctx.graph.capture_stream, pool, capture_ended=ctx.ended)
                     raise
-                if inspect is not None:
+                if keep:
                     graph.instantiate()  # kept graphs instantiate lazily: not on the first replay's clock
         except Exception as exc:
             torch.cuda.set_stream(stream)

@@ -246,7 +246,7 @@ def launch_bound_bars(bound, title: str = ""):
     # model names break onto lines of their own: side by side they ran into each other at this width
     labels = [f"{m.replace(' ', chr(10), 1) if len(m) > 12 else m}\n{mode}" for m, mode in zip(bound.model, bound["mode"])]
     idle = (bound.wall_us - bound.busy_us).clip(lower=0)
-    ax.bar(labels, bound.busy_us, color=COLORS["raw_graph"], label="GPU busy (kernel time)")
+    ax.bar(labels, bound.busy_us, color=COLORS["raw_graph"], label="GPU busy (kernels, copies, memsets)")
     ax.bar(labels, idle, bottom=bound.busy_us, color="#dddddd", label="GPU idle (waiting for launches)")
     for x, (w, f) in enumerate(zip(bound.wall_us, bound.idle_fraction)):
         ax.annotate(f"{f:.0%} idle", (x, w), ha="center", va="bottom", fontsize=7)
