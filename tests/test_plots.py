@@ -21,3 +21,21 @@ def test_a_share_never_rounds_to_all_or_nothing():
 
     assert share(0.995) == "99.5%" and share(1.0) == "100%" and share(0.0) == "0%"
     assert share(0.42) == "42%" and share(0.003) == "0.3%" and share(0.9999) == "99.99%"
+
+
+def test_the_static_buffers_diagram_keeps_every_label_off_the_pool_box():
+    """The "read out" arrow label ran into the shared pool's box (a learner review of notebook 03)."""
+    from matplotlib.patches import Rectangle
+
+    from cgutils.plots import diagrams
+
+    fig = diagrams.static_buffers_diagram(graphs=3)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    pool = next(p for p in ax.patches if isinstance(p, Rectangle) and p.get_facecolor()[:3] != (1, 1, 1))
+    box = pool.get_window_extent(renderer).padded(0.03 * fig.dpi)  # a label needs some air, not just no overlap
+    outside = [t for t in ax.texts if t.get_text() and "pool" not in t.get_text()]  # arrows are empty texts
+    overlapping = [t.get_text() for t in outside if t.get_window_extent(renderer).overlaps(box)]
+    assert len(outside) == 3 * 8 and not overlapping, f"labels over the pool box: {overlapping}"
+    fig.clear()

@@ -72,11 +72,11 @@ def static_buffers_diagram(graphs: int = 3, title: str = ""):
         _box(ax, 0.0, y, 1.5, 0.5, f"your input\n(shape {k + 1})", "#dddddd")
         _box(ax, 2.2, y, 1.6, 0.5, f"static input {k + 1}\n(fixed address)", "#9ecae1")
         _box(ax, 4.4, y, 1.7, 0.5, f"graph {k + 1}: kernels\n(replayed, one launch)", COLORS["graph_runner"], "white")
-        _box(ax, 8.4, y, 1.5, 0.5, f"clone: your\noutput {k + 1}", "#dddddd")
+        _box(ax, 8.5, y, 1.4, 0.5, f"your output {k + 1}\n(a copy)", "#dddddd")
         _arrow(ax, (1.5, y + 0.25), (2.2, y + 0.25), "copy_")
         _arrow(ax, (3.8, y + 0.25), (4.4, y + 0.25), "read")
         _arrow(ax, (6.1, y + 0.25), (6.7, y + 0.25), "write")
-        _arrow(ax, (7.9, y + 0.25), (8.4, y + 0.25), "read out")
+        _arrow(ax, (7.9, y + 0.25), (8.5, y + 0.25), "clone")  # a short label: a long one ran into the pool box
     ax.add_patch(Rectangle((6.7, 0.05), 1.2, top - 0.05, facecolor="#fdd0a2", edgecolor="#333", lw=0.8))
     ax.text(7.3, top / 2, "one shared\nmemory pool:\nactivations\nand static\noutputs\n(reused by\nevery replay)",
             ha="center", va="center", fontsize=6.5)
