@@ -816,13 +816,10 @@ def test_cgutils_profiler_sessions_leave_later_replays_unslowed_and_see_every_ke
         cg.host_us_per_call(graph.replay, calls=5)
 
 
-def test_a_cgutils_session_right_after_a_plain_one_still_sees_the_replay():
+def test_a_cgutils_session_right_after_a_plain_one_still_sees_the_replay(tmp_path):
     """Session 21's recordings: after a plain torch.profiler session (CUPTI left attached), the first torn-down
     session saw nothing: notebook 11's runtime_calls came back empty and notebook 07's trace of a kept graph's
-    replay held no graph launch with GPU work. Not yet run on the GPU with the priming session that should fix it."""
-    import os
-    import tempfile
-
+    replay held no graph launch with GPU work. The priming session fixed it (passed on the H200 at 466b1bc)."""
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.zeros(1024, device="cuda")
@@ -845,7 +842,7 @@ def test_a_cgutils_session_right_after_a_plain_one_still_sees_the_replay():
     runner = cg.GraphRunner(lambda t: t * 2 + 1, inspect=True)
     y = torch.randn(64, device="cuda")
     runner(y)
-    trace = cg.load_trace(cg.profile(lambda: runner(y), os.path.join(tempfile.mkdtemp(), "k.json.gz"), warmup=2, active=3))
+    trace = cg.load_trace(cg.profile(lambda: runner(y), tmp_path / "k.json.gz", warmup=2, active=3))
     links = trace.links()
     assert links[cg.is_graph_launch(links.call)].correlation.nunique() >= 3
 
