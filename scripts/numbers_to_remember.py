@@ -78,7 +78,7 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
                 f"{g.p90_ms.cgutils_graph * per_token.cgutils_graph:.2f}) vs {g.ms_per_token.hf_static:.2f} ms", "06", src))
     mem, src = _source(results, "bucket_memory")
     out.append(("memory pool of BERT-base's three buckets (128/256/512 tokens, fp16)",
-                f"{mem.pool_bytes.sum() / 2**20:.0f} MiB", "03", src))
+                f"{mem.pool_bytes.sum() / 2**20:.0f} MiB", "03b", src))
     return out
 
 
