@@ -1,10 +1,13 @@
 """Issue 25: GPT-2's greedy decode step against the memory-bandwidth floor, one run on one GPU.
 
 GPT-2 small (random weights, the workloads' model) in fp16, a 32-token prompt and 128 new tokens, batch 1
-and 8. Three routes:
+and 8. Four routes:
 
 - ``plain``: ``StaticKVState.decode_step`` (PyTorch ops, SDPA over the whole cache) in one CUDA graph;
 - ``fused``: ``FusedKVState.decode_step`` (``cgutils.generation.fused_step``, Triton) in one CUDA graph;
+- ``fused_pdl``: the same with ``pdl=True``: Programmatic Dependent Launch, each kernel's parameters loaded
+  before it waits for the previous kernel (``cgutils.generation.fused_kernels``; compute capability >= 9.0;
+  ``--tuning`` does not apply: its shapes are ``fused_step.PDL_TUNING``);
 - ``hf``: transformers' ``generate(cache_implementation="static")`` (``cgutils.generation.hf_generate``);
   its time per token is a whole generate call (prefill and host work included) over the new tokens.
 
@@ -17,13 +20,14 @@ few replays; and the floor: weight bytes plus the keys/values of positions ``0..
 steps), over the device-to-device bandwidth of a 1 GiB ``copy_`` (read + write bytes) timed by CUDA events.
 Each route's ratio to that floor. A route that fails is recorded with its error; the others go on.
 
-    python benchmarks/decode_floor.py --out DIR [--trials 9] [--batches 1 8] [--routes plain fused hf]
+    python benchmarks/decode_floor.py --out DIR [--trials 9] [--batches 1 8] [--routes plain fused fused_pdl hf]
                                       [--tuning DIR/tune_fused_gemv.json]   # the fused route's launch shapes
     python benchmarks/decode_floor.py --smoke --out DIR   # CPU, Triton's interpreter, a tiny GPT-2
 
 Writes ``DIR/decode_floor.json`` (provenance: versions, GPU, ``CGUTILS_GIT_COMMIT``) and prints a summary.
 ``--smoke`` checks the script end to end without a GPU: eager steps, no graphs, no CUDA profile; its
-timings mean nothing. Its routes agree, so it records fused_vs_plain's margins at step 1 anyway (``"probe": true``).
+timings mean nothing. Its routes agree, so it records fused_vs_plain's and fused_pdl_vs_plain's margins at step 1
+anyway (``"probe": true``).
 """
 
 from __future__ import annotations
@@ -291,8 +295,9 @@ def run_batch(model, batch: int, args, cuda: bool, bw: dict | None) -> dict:
             t = time.perf_counter()
             if name == "plain":
                 routes[name] = GraphRoute(StaticKVState(model, batch, max_len), prompt, args.new_tokens, cuda)
-            elif name == "fused":
-                state = FusedKVState(model, batch, max_len, tuning=args.tuning_table)
+            elif name in ("fused", "fused_pdl"):
+                pdl = name == "fused_pdl"
+                state = FusedKVState(model, batch, max_len, tuning=None if pdl else args.tuning_table, pdl=pdl)
                 rec["kernels_per_step_launched"] = state.kernels_per_step
                 routes[name] = GraphRoute(state, prompt, args.new_tokens, cuda)
             else:
@@ -337,10 +342,12 @@ def run_batch(model, batch: int, args, cuda: bool, bw: dict | None) -> dict:
                 rec["profile_error"] = error_text(exc)
     toks = {n: r.pop("tokens") for n, r in out["routes"].items() if "tokens" in r}
     out["tokens"] = {f"{a}_vs_{b}": compare_tokens(toks[a], toks[b], args.prompt_len)
-                     for a, b in (("fused", "plain"), ("plain", "hf"), ("fused", "hf")) if a in toks and b in toks}
+                     for a, b in (("fused", "plain"), ("fused_pdl", "plain"), ("fused_pdl", "fused"), ("plain", "hf"),
+                                  ("fused", "hf")) if a in toks and b in toks}
     for key, cmp in out["tokens"].items():
         other, ref = key.split("_vs_")  # the second route of a pair is the reference
-        probe = args.smoke and key == "fused_vs_plain" and cmp.get("equal") and args.new_tokens > 1  # the path runs
+        probe = (args.smoke and key in ("fused_vs_plain", "fused_pdl_vs_plain") and cmp.get("equal")
+                 and args.new_tokens > 1)  # the path runs
         if "first_differing_step" in cmp or probe:
             step, row = (cmp["first_differing_step"], cmp["rows_differing_there"][0]) if not probe else (1, 0)
             cmp["margins"] = margins_at(routes, toks, ref, other, step, row, args.prompt_len)
@@ -358,10 +365,10 @@ def summary(result: dict) -> str:
                      f"cache {fl['cache_bytes_avg'] / 1e6:.1f})")
         for name, r in b["routes"].items():
             if "ms_per_step" not in r:
-                lines.append(f"  {name:6s} FAILED: {r.get('error', '?').splitlines()[0]}")
+                lines.append(f"  {name:9s} FAILED: {r.get('error', '?').splitlines()[0]}")
                 continue
             s, prof = r["ms_per_step"], r.get("profile", {})
-            lines.append(f"  {name:6s} {s['median']:.4f} ms/step (p10 {s['p10']:.4f}, p90 {s['p90']:.4f}), "
+            lines.append(f"  {name:9s} {s['median']:.4f} ms/step (p10 {s['p10']:.4f}, p90 {s['p90']:.4f}), "
                          f"x{r.get('ratio_to_floor', float('nan')):.1f} floor, "
                          f"{prof.get('kernels_per_step', float('nan')):.1f} kernels/step, "
                          f"GPU busy {prof.get('gpu_busy_us_per_step', float('nan')):.1f} us/step")
@@ -374,7 +381,7 @@ def summary(result: dict) -> str:
             mg = v.get("margins")
             for name, m in (mg or {}).get("routes", {}).items():
                 at = f"step {mg['step']} row {mg['row']}" + (" (probe)" if mg.get("probe") else "")
-                lines.append(f"    {name:6s} at {at}: token {m['token']}, " + (
+                lines.append(f"    {name:9s} at {at}: token {m['token']}, " + (
                     f"top-2 margin {m['top2_margin']:.4g} (ids {m['top2_ids']}), own - rival {m['own_minus_rival_token']:.4g}"
                     if "top2_margin" in m else m.get("note") or m.get("error", "?").splitlines()[0]))
     return "\n".join(lines)
@@ -385,7 +392,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path, help="folder for decode_floor.json")
     ap.add_argument("--trials", type=int, default=None, help="interleaved trials (default 9; smoke 2)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8; smoke 1 2)")
-    ap.add_argument("--routes", nargs="+", choices=("plain", "fused", "hf"), default=["plain", "fused", "hf"])
+    ap.add_argument("--routes", nargs="+", choices=("plain", "fused", "fused_pdl", "hf"),
+                    default=["plain", "fused", "fused_pdl", "hf"])
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32; smoke 6)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 128; smoke 4)")
     ap.add_argument("--tuning", default=None,

@@ -53,6 +53,44 @@ def test_decode_step_matches_the_plain_step_batch_3_split_k(child):
     _passed(child, "decode_batch3")
 
 
+def test_pdl_step_matches_the_plain_step_batch_1(child):
+    """pdl=True (its whole-block, row-by-row arithmetic; the interpreter compiles the waits out): tokens, logits,
+    cache, generated and pos as StaticKVState's, with PDL_TUNING (the projection and down-projection split)."""
+    _passed(child, "pdl_batch1")
+
+
+def test_pdl_step_matches_the_plain_step_batch_3(child):
+    """Batch 3, pdl=True: two heads per projection program, a K block not a power of two (the down-projection,
+    96 rows in a 128-row block, the last split 64 rows), LayerNorm across K splits."""
+    _passed(child, "pdl_batch3")
+
+
+def test_pdl_greedy_loop_equals_the_eager_decoder(child):
+    _passed(child, "pdl_greedy_loop")
+
+
+def test_pdl_arguments_are_checked(monkeypatch):
+    import cgutils.generation.fused_step as fs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for bad in ("yes", 1, None):
+        with pytest.raises(InputError, match=r"pdl must be a bool .*Programmatic Dependent Launch"):
+            fs.FusedKVState(_small_gpt2(), 1, 8, pdl=bad)
+    state = fs.FusedKVState(_small_gpt2(), 1, 8, pdl=True)  # the interpreter: allowed, PDL_TUNING's shapes
+    assert state.pdl and state.tuning == fs.check_tuning(base=fs.PDL_TUNING)
+    assert state.launch_shapes["qkv"]["KSTEP"] == state.launch_shapes["qkv"]["KPER"] == 32
+    assert all(meta["PDL"] and not meta["GDC"] for _, _, _, meta in state._plan if "PDL" in meta)
+    assert not fs.FusedKVState(_small_gpt2(), 1, 8).pdl
+    monkeypatch.delenv("TRITON_INTERPRET")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    with pytest.raises(InputError, match=r"pdl=True: Programmatic Dependent Launch needs compute capability 9\.0.*8\.6"):
+        fs.check_pdl(True, cuda)
+    assert fs.check_pdl(False, cuda) is False
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fs.check_pdl(True, cuda) is True
+
+
 def test_fused_greedy_loop_equals_the_eager_decoder(child):
     _passed(child, "greedy_loop")
 
@@ -242,14 +280,19 @@ def _batch3_split_k() -> None:
     _compare_steps(3, 4, attn_block=8, max_splits=4, tuning=tuning)
 
 
-def _greedy_loop() -> None:
+def _pdl_batch3() -> None:
+    tuning = dict(qkv=(16, 32, 2, 1, 4), proj=(16, 16, 2, 1, 4), fc=(32, 16, 3, 1, 4), proj2=(16, 16, 3, 1, 4))
+    _compare_steps(3, 4, attn_block=8, max_splits=4, tuning=tuning, pdl=True)
+
+
+def _greedy_loop(**kw) -> None:
     from cgutils.generation import GreedyDecoder
     from cgutils.generation.fused_step import FusedKVState, greedy_tokens
 
     model = _tiny()
     prompt = torch.randint(0, 101, (2, 5), generator=torch.Generator().manual_seed(7))
     want = GreedyDecoder(model, "eager").generate(prompt, max_new_tokens=6)
-    got = greedy_tokens(FusedKVState(model, 2, 16), prompt, 6)
+    got = greedy_tokens(FusedKVState(model, 2, 16, **kw), prompt, 6)
     assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
 
 
@@ -258,7 +301,9 @@ if __name__ == "__main__":
 
     warnings.simplefilter("ignore")
     checks = {"decode_batch1": lambda: _compare_steps(1, 5, attn_block=8, max_splits=2),
-              "greedy_loop": _greedy_loop, "decode_batch3": _batch3_split_k}
+              "greedy_loop": _greedy_loop, "decode_batch3": _batch3_split_k,
+              "pdl_batch1": lambda: _compare_steps(1, 5, attn_block=8, max_splits=2, pdl=True),
+              "pdl_batch3": _pdl_batch3, "pdl_greedy_loop": lambda: _greedy_loop(pdl=True)}
     with torch.no_grad():
         for name, fn in checks.items():
             try:

@@ -20,6 +20,15 @@ Everything reads ``pos`` on the device and launches a fixed grid, so the step ca
 A matrix-vector split over K is summed by the last of its programs to arrive (an integer counter,
 ``atomic_add``) in split order, never by float atomics: results are deterministic run to run.
 
+``FusedKVState(..., pdl=True)`` (opt-in, compute capability >= 9.0): Programmatic Dependent Launch. Every kernel
+is launched with ``launch_pdl=True``, so it may start while the one before it still runs; each waits
+(``griddepcontrol.wait``) before touching anything another kernel writes or reads, and the matrix-vector
+kernels load their whole block of parameters before that wait, overlapping the previous kernel's tail (NVIDIA
+CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; Triton tutorial 11). The kernels
+and the why are in :mod:`.fused_kernels`. Its speed is so far ``benchmarks/pdl_probe.py``'s, on 49 GPT-2-shaped
+products alone (H200: 117.7 us against 177.9 us plain), until ``benchmarks/decode_floor.py``'s ``fused_pdl``
+route measures the step; hence off by default.
+
 Triton is imported if it is installed; without it importing this module works and :class:`FusedKVState`
 raises :class:`~cgutils.errors.InputError`. On a CPU, set ``TRITON_INTERPRET=1`` before this module is
 first imported: Triton's interpreter then runs the same kernels with numpy (slowly; what the tests do).
@@ -32,14 +41,12 @@ import torch
 
 from ..checks import check_int, is_int
 from ..errors import InputError
+from .fused_kernels import triton
 from .request import check_gpt2
 from .static_kv import StaticKVState
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # only the fused step needs triton; FusedKVState says so
-    triton = None
+if triton is not None:
+    from .fused_kernels import _argmax_finish_kernel, _attn_decode_kernel, _lm_head_gemv_kernel, _ln_gemv_kernel
 
 MAX_BATCH = 14  # B rows plus LayerNorm's two fill one 16-row MMA tile (tl.dot); more would double the tiles
 
@@ -50,222 +57,6 @@ def _pow2(n: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _combine(part_ptr, pos, head, rows, kk, kmask, B: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                 NSPLIT: tl.constexpr, BLOCK_SPL: tl.constexpr, CHUNK: tl.constexpr):
-        # Merge the attention kernel's partial softmaxes of one head, all rows at once: (BB, BLOCK_D), zero
-        # past row B. Splits that start past pos hold nothing and are not read at all.
-        sp = tl.arange(0, BLOCK_SPL)
-        live = (rows[:, None] < B) & (sp[None, :] < NSPLIT) & (sp[None, :] * CHUNK <= pos)
-        base = part_ptr + ((rows[:, None] * H + head) * NSPLIT + sp[None, :]) * (D + 2)  # (BB, BLOCK_SPL)
-        m = tl.load(base + D, mask=live, other=-1e30)
-        den = tl.load(base + D + 1, mask=live, other=0.0)
-        acc = tl.load(base[:, :, None] + kk[None, None, :], mask=live[:, :, None] & kmask[None, None, :], other=0.0)
-        wt = tl.exp(m - tl.max(m, axis=1)[:, None])
-        return tl.sum(wt[:, :, None] * acc, axis=1) / tl.maximum(tl.sum(wt * den, axis=1), 1e-30)[:, None]
-
-    @triton.jit
-    def _ln_rows(xt, rows, g, beta, B: tl.constexpr):
-        # LayerNorm after the product: LN(x) @ W = rstd * ((x * g) @ W - mean * (g @ W)) + beta @ W, so the
-        # statistics need no pass of their own before the first W load. Rows B and B + 1 of the (>= 16-row)
-        # MMA tile, idle anyway, carry g and beta and yield g @ W and beta @ W for free.
-        r = rows[:, None]
-        return tl.where(r < B, xt * g[None, :], tl.where(r == B, g[None, :], tl.where(r == B + 1, beta[None, :], 0.0)))
-
-    @triton.jit
-    def _ln_fix(acc, s1, s2, rows, eps, K: tl.constexpr, B: tl.constexpr):
-        mean = s1 / K
-        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
-        gw = tl.sum(tl.where(rows[:, None] == B, acc, 0.0), axis=0)
-        bw = tl.sum(tl.where(rows[:, None] == B + 1, acc, 0.0), axis=0)
-        return rstd[:, None] * (acc - mean[:, None] * gw[None, :]) + bw[None, :]
-
-    @triton.jit
-    def _ln_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, lnw_ptr, lnb_ptr, eps, tok_ptr, wte_ptr, wpe_ptr,
-                        pos_ptr, part_ptr, kv_ptr, s_kv, s_b, s_h, s_s, S, ws_ptr, cnt_ptr,
-                        B: tl.constexpr, BB: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
-                        KSTEP: tl.constexpr, BN: tl.constexpr, KPER: tl.constexpr, SPLIT: tl.constexpr,
-                        SRC: tl.constexpr, LN: tl.constexpr, GELU: tl.constexpr, EPI: tl.constexpr, H: tl.constexpr,
-                        D: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_SPL: tl.constexpr, CHUNK: tl.constexpr,
-                        PREC: tl.constexpr):
-        # y[b, cols] = act(src(b) @ W[:, cols] + bias) for a (K, N) row-major W (GPT-2's Conv1D): program
-        # (pid, sid) owns BN output columns, so the W rows it reads are contiguous, and K rows
-        # [sid * KPER, (sid + 1) * KPER). The B rows are padded to an MMA tile (tl.dot). SRC: 0 rows of x,
-        # 1 the attention partials, merged here (one head per K step), 2 token + position embeddings
-        # (layer 0). EPI: 0 store, 1 add into out (the residual stream: own columns only, so in place is
-        # safe), 2 q to out and k/v into the cache at pos.
-        pid = tl.program_id(0)
-        sid = tl.program_id(1)
-        cols = pid * BN + tl.arange(0, BN)
-        cmask = cols < N
-        rows = tl.arange(0, BB)
-        pos = tl.load(pos_ptr)
-        kk = tl.arange(0, BK)
-        acc = tl.zeros([BB, BN], dtype=tl.float32)
-        s1 = tl.zeros([BB], dtype=tl.float32)
-        s2 = tl.zeros([BB], dtype=tl.float32)
-        for k0 in range(sid * KPER, sid * KPER + KPER, KSTEP):  # a loop, so that Triton pipelines the W loads
-            ks = k0 + kk
-            kmask = (kk < KSTEP) & (ks < K)
-            m2 = (rows[:, None] < B) & kmask[None, :]
-            if SRC == 0:
-                xt = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-            elif SRC == 1:
-                xt = _combine(part_ptr, pos, k0 // D, rows, kk, kmask, B, H, D, NSPLIT, BLOCK_SPL, CHUNK)
-            else:
-                tok = tl.load(tok_ptr + rows, mask=rows < B, other=0)
-                xt = (tl.load(wte_ptr + tok[:, None] * K + ks[None, :], mask=m2, other=0.0).to(tl.float32)
-                      + tl.load(wpe_ptr + pos * K + ks[None, :], mask=m2 & (pos < S), other=0.0).to(tl.float32))
-                # column block 0 keeps the embedded rows as the residual stream (nobody reads it here)
-                tl.store(x_ptr + rows[:, None] * K + ks[None, :], xt, mask=m2 & (pid == 0))
-            if LN:
-                s1 += tl.sum(xt, axis=1)
-                s2 += tl.sum(xt * xt, axis=1)
-                g = tl.load(lnw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-                beta = tl.load(lnb_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-                xt = _ln_rows(xt, rows, g, beta, B)
-            w = tl.load(w_ptr + ks[:, None] * N + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc = tl.dot(xt.to(w.dtype), w, acc, input_precision=PREC)
-        last = pid >= 0
-        if SPLIT > 1:
-            # Split-K without float atomics: every split leaves its partial in the workspace, and the last
-            # of a column block to arrive (an int counter) sums them in split order: deterministic.
-            tile = ws_ptr + ((pid * SPLIT + sid) * BB + rows) * (BN + 2)
-            tl.store(tile[:, None] + tl.arange(0, BN)[None, :], acc)
-            tl.store(tile + BN, s1)
-            tl.store(tile + BN + 1, s2)
-            tl.debug_barrier()  # all of this program's stores before its arrival (the atomic releases them)
-            last = tl.atomic_add(cnt_ptr + pid, 1) == SPLIT - 1
-            for sp in tl.static_range(SPLIT):
-                tile = ws_ptr + ((pid * SPLIT + sp) * BB + rows) * (BN + 2)
-                part = tl.load(tile[:, None] + tl.arange(0, BN)[None, :], mask=last, other=0.0, cache_modifier=".cg")
-                t1 = tl.load(tile + BN, mask=last, other=0.0, cache_modifier=".cg")
-                t2 = tl.load(tile + BN + 1, mask=last, other=0.0, cache_modifier=".cg")
-                if sp == 0:
-                    acc, s1, s2 = part, t1, t2
-                else:
-                    acc, s1, s2 = acc + part, s1 + t1, s2 + t2
-            tl.store(cnt_ptr + pid, 0, mask=last)  # ready for the next kernel that uses the counters
-        y = acc
-        if LN:
-            y = _ln_fix(acc, s1, s2, rows, eps, K, B)
-        y += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if GELU:
-            # tanh-GELU, as 0.5 * (1 + tanh(u)) == sigmoid(2u): no tanh op needed, no overflow to NaN
-            u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-            y = y / (1.0 + tl.exp(tl.minimum(-2.0 * u, 80.0)))  # clamped: exp overflow (to inf) is harmless but noisy
-        m2 = (rows[:, None] < B) & cmask[None, :] & last
-        if EPI == 2:
-            sec = cols // (H * D)  # 0 query, 1 key, 2 value: qkv.view(B, T, 3, H, D)
-            within = cols % (H * D)
-            tl.store(out_ptr + rows[:, None] * (H * D) + within[None, :], y, mask=m2 & (sec == 0)[None, :])
-            dst = (kv_ptr + (sec - 1)[None, :] * s_kv + rows[:, None] * s_b + (within // D)[None, :] * s_h
-                   + pos * s_s + (within % D)[None, :])
-            tl.store(dst, y.to(kv_ptr.dtype.element_ty), mask=m2 & (sec > 0)[None, :] & (pos < S))
-        else:
-            offs = rows[:, None] * N + cols[None, :]
-            if EPI == 1:
-                y += tl.load(out_ptr + offs, mask=m2, other=0.0)
-            tl.store(out_ptr + offs, y, mask=m2)
-
-    @triton.jit
-    def _attn_decode_kernel(q_ptr, kv_ptr, pos_ptr, part_ptr, scale, s_kv, s_b, s_h, s_s, S,
-                            H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
-                            BLOCK_S: tl.constexpr, BPS: tl.constexpr):
-        # One query per (batch row, head); program (bh, split) covers BPS blocks of BLOCK_S keys with an online
-        # softmax. Keys past pos are masked, so their loads never reach memory: the step reads pos + 1 keys.
-        # Output: the split's partial softmax (weighted values, max, sum), merged by the c_proj kernel; a
-        # merge here by the last split to finish (a counter) measured slower on an H200 (+1.4 us a layer).
-        bh = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        pos = tl.load(pos_ptr)
-        d = tl.arange(0, BLOCK_D)
-        dm = d < D
-        q = tl.load(q_ptr + bh * D + d, mask=dm, other=0.0).to(tl.float32) * scale
-        base = kv_ptr + b * s_b + h * s_h
-        m = -1e30  # finite: a split with no live key then gives exp(-inf - m) = 0, not NaN
-        den = 0.0
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in tl.static_range(BPS):
-            j = (sp * BPS + i) * BLOCK_S + tl.arange(0, BLOCK_S)
-            jm = (j <= pos) & (j < S)
-            msk = jm[:, None] & dm[None, :]
-            offs = j[:, None] * s_s + d[None, :]
-            k = tl.load(base + offs, mask=msk, other=0.0).to(tl.float32)
-            v = tl.load(base + s_kv + offs, mask=msk, other=0.0).to(tl.float32)
-            s = tl.where(jm, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new)
-            den = den * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m = m_new
-        mine = part_ptr + (bh * NSPLIT + sp) * (D + 2)
-        tl.store(mine + d, acc, mask=dm)
-        tl.store(mine + D, m)
-        tl.store(mine + D + 1, den)
-
-    @triton.jit
-    def _lm_head_gemv_kernel(x_ptr, w_ptr, lnw_ptr, lnb_ptr, eps, logits_ptr, val_ptr, idx_ptr, V,
-                             B: tl.constexpr, BB: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, NPROG: tl.constexpr, PREC: tl.constexpr):
-        # logits = LN_f(x) @ wte.T with wte (V, C) row-major: a program owns BN vocabulary rows, each read
-        # contiguously along C; it also leaves its (max, first argmax) per batch row for the finish kernel.
-        pid = tl.program_id(0)
-        vs = pid * BN + tl.arange(0, BN)
-        vm = vs < V
-        rows = tl.arange(0, BB)
-        kk = tl.arange(0, BK)
-        acc = tl.zeros([BB, BN], dtype=tl.float32)
-        s1 = tl.zeros([BB], dtype=tl.float32)
-        s2 = tl.zeros([BB], dtype=tl.float32)
-        for k0 in range(0, C, BK):
-            ks = k0 + kk
-            km = ks < C
-            xt = tl.load(x_ptr + rows[:, None] * C + ks[None, :], mask=(rows[:, None] < B) & km[None, :], other=0.0)
-            s1 += tl.sum(xt, axis=1)
-            s2 += tl.sum(xt * xt, axis=1)
-            g = tl.load(lnw_ptr + ks, mask=km, other=0.0).to(tl.float32)
-            beta = tl.load(lnb_ptr + ks, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + vs[:, None] * C + ks[None, :], mask=vm[:, None] & km[None, :], other=0.0)
-            acc = tl.dot(_ln_rows(xt, rows, g, beta, B).to(w.dtype), tl.trans(w), acc, input_precision=PREC)
-        acc = _ln_fix(acc, s1, s2, rows, eps, C, B)
-        m2 = (rows[:, None] < B) & vm[None, :]
-        tl.store(logits_ptr + rows[:, None] * V + vs[None, :], acc, mask=m2)
-        vals = tl.where(m2, acc, float("-inf"))
-        mx = tl.max(vals, axis=1)
-        first = tl.min(tl.where(vals == mx[:, None], vs[None, :], V), axis=1)  # ties: lowest id, as torch.argmax
-        tl.store(val_ptr + rows * NPROG + pid, mx, mask=rows < B)
-        tl.store(idx_ptr + rows * NPROG + pid, first, mask=rows < B)
-
-    @triton.jit
-    def _argmax_finish_kernel(val_ptr, idx_ptr, token_ptr, gen_ptr, pos_ptr, S, B: tl.constexpr, BB: tl.constexpr,
-                              NPROG: tl.constexpr, BLOCK_P: tl.constexpr):
-        # One program: it alone reads pos and then advances it, so no other program can see it half-updated.
-        pos = tl.load(pos_ptr)
-        rows = tl.arange(0, BB)
-        best = tl.full([BB], float("-inf"), tl.float32)
-        arg = tl.zeros([BB], dtype=tl.int32)
-        for c in tl.static_range((NPROG + BLOCK_P - 1) // BLOCK_P):
-            pp = c * BLOCK_P + tl.arange(0, BLOCK_P)
-            m2 = (rows[:, None] < B) & (pp < NPROG)[None, :]
-            offs = rows[:, None] * NPROG + pp[None, :]
-            v = tl.load(val_ptr + offs, mask=m2, other=float("-inf"))
-            i = tl.load(idx_ptr + offs, mask=m2, other=2147483647)
-            mx = tl.max(v, axis=1)
-            ci = tl.min(tl.where(v == mx[:, None], i, 2147483647), axis=1)
-            arg = tl.where(mx > best, ci, arg)  # a tie keeps the earlier chunk's, lower, id
-            best = tl.maximum(best, mx)
-        tok = arg.to(tl.int64)
-        tl.store(token_ptr + rows, tok, mask=rows < B)
-        tl.store(gen_ptr + rows * S + pos + 1, tok, mask=(rows < B) & (pos + 1 < S))
-        tl.store(pos_ptr, pos + 1)
 
 
 def _interpreting() -> bool:
@@ -285,6 +76,12 @@ def _launch(kernel, grid, *args, **meta) -> None:
 # heads); "proj2": the MLP down-projection (K = 4 * n_embd); "lm_head": (BN vocabulary rows, BK, 1, ...).
 TUNING = {"qkv": (32, 256, 3, 2, 4), "fc": (32, 256, 1, 3, 4), "proj": (32, 64, 12, 1, 4),
           "proj2": (32, 256, 4, 3, 2), "lm_head": (128, 64, 1, 3, 4)}
+# With pdl=True: one K step per program, its whole (KPER, BN) block of W (BK = KPER rounded up to a power of
+# two; BK and stages are unused) held in registers: <= 32 KB of fp16 at 4 warps, benchmarks/pdl_probe.py's
+# budget and shapes (BN 16 of a 768-row K in full; the down-projection in 4 splits, the projection 3 heads a
+# program). Chosen by that rule, not yet searched on the GPU.
+PDL_TUNING = {"qkv": (16, 1024, 1, 1, 4), "fc": (16, 1024, 1, 1, 4), "proj": (32, 64, 4, 1, 4),
+              "proj2": (16, 1024, 4, 1, 4), "lm_head": (16, 1024, 1, 1, 4)}
 ROLES = ("qkv", "proj", "fc", "proj2", "lm_head")  # the matrices, in the order a layer runs them
 _RULES = {  # field: (its test, given the value and the role; what it must be)
     "BN": (lambda v, r: v >= 16 and not v & (v - 1), "a power of two >= 16 (columns per program; tl.dot's smallest tile)"),
@@ -294,15 +91,17 @@ _RULES = {  # field: (its test, given the value and the role; what it must be)
     "warps": (lambda v, r: 1 <= v <= 32 and not v & (v - 1), "a power of two 1..32 (num_warps)")}
 
 
-def check_tuning(tuning: Mapping | None = None) -> dict[str, tuple[int, int, int, int, int]]:
-    """``tuning`` (default: :data:`TUNING` as it is now) checked and completed: ``{role: (BN, BK, split,
-    stages, warps)}`` for every role of :data:`ROLES`; a role that ``tuning`` leaves out takes TUNING's.
+def check_tuning(tuning: Mapping | None = None, *, base: Mapping | None = None) -> dict[str, tuple[int, int, int, int, int]]:
+    """``tuning`` (default: ``base``, default :data:`TUNING` as it is now) checked and completed: ``{role: (BN,
+    BK, split, stages, warps)}`` for every role of :data:`ROLES`; a role that ``tuning`` leaves out takes
+    ``base``'s (:data:`PDL_TUNING` for a ``pdl=True`` state).
 
     Raises:
         InputError: naming the role and field: not a mapping, an unknown role, a value not five ints, a field
             out of its range (``_RULES``; lm_head's split must be 1: its kernel has no split over K).
     """
-    tuning = TUNING if tuning is None else tuning
+    base = TUNING if base is None else base
+    tuning = base if tuning is None else tuning
     if not isinstance(tuning, Mapping):
         raise InputError(f"tuning must be a mapping {{role: (BN, BK, split, stages, warps)}}, got {type(tuning).__name__}")
     for role in tuning:
@@ -310,7 +109,7 @@ def check_tuning(tuning: Mapping | None = None) -> dict[str, tuple[int, int, int
             raise InputError(f"tuning has an unknown role {role!r}; the roles are {', '.join(ROLES)}")
     out = {}
     for role in ROLES:
-        spec = tuning.get(role, TUNING[role])
+        spec = tuning.get(role, base[role])
         if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence) or len(spec) != 5 \
                 or not all(is_int(v) for v in spec):
             raise InputError(f"tuning[{role!r}] must be five ints (BN, BK, split, stages, warps), got {spec!r}")
@@ -321,15 +120,38 @@ def check_tuning(tuning: Mapping | None = None) -> dict[str, tuple[int, int, int
     return out
 
 
-def _gemv_shape(spec: tuple, K: int, N: int, kstep: int | None = None) -> tuple[int, int, int, int, int, int, int]:
+def _gemv_shape(spec: tuple, K: int, N: int, kstep: int | None = None,
+                pdl: bool = False) -> tuple[int, int, int, int, int, int, int]:
     """(BN, BK, KSTEP, KPER, SPLIT, stages, warps) of one matrix-vector from its ``spec`` (a TUNING value),
-    clamped to the matrix (>= 16 for tl.dot); ``kstep``: rows per K step when fixed by the input (one head)."""
+    clamped to the matrix (>= 16 for tl.dot); ``kstep``: rows per K step when fixed by the input (one head).
+    ``pdl``: one K step of KPER rows (whole heads for the projection), BK its power of two, one stage."""
     bn, bk, split, stages, warps = spec
     bn = max(16, min(bn, _pow2(N)))
+    if pdl:
+        unit = kstep or 16
+        kper = _cdiv(_cdiv(K, unit), split) * unit
+        return bn, _pow2(kper), kper, kper, _cdiv(K, kper), 1, warps
     bk = max(16, _pow2(kstep) if kstep else min(bk, _pow2(K)))
     kstep = kstep or bk
     kper = _cdiv(_cdiv(K, kstep), split) * kstep
     return bn, bk, kstep, kper, _cdiv(K, kper), stages, warps
+
+
+def check_pdl(pdl, device: torch.device) -> bool:
+    """``pdl`` checked: a bool, and True only where the kernels run on a GPU of compute capability >= 9.0 (or
+    under Triton's interpreter, which runs PDL's arithmetic without the launch attribute and the waits).
+
+    Raises:
+        InputError: ``pdl`` not a bool; ``pdl=True`` on a CUDA device of compute capability < 9.0.
+    """
+    if not isinstance(pdl, bool):
+        raise InputError(f"pdl must be a bool (True: Programmatic Dependent Launch), got {type(pdl).__name__} {pdl!r}")
+    if pdl and device.type == "cuda" and not _interpreting():
+        cap = tuple(torch.cuda.get_device_capability(device))
+        if cap < (9, 0):
+            raise InputError(f"pdl=True: Programmatic Dependent Launch needs compute capability 9.0 or newer (Hopper); "
+                             f"{device} is {cap[0]}.{cap[1]}; use pdl=False")
+    return pdl
 
 
 def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -347,7 +169,9 @@ class FusedKVState(StaticKVState):
     (no weight copies, so in-place weight updates are seen) and adds only fp32 scratch: per batch row
     ``2 * n_embd + n_inner + vocab`` values, the attention partials (``heads * splits * (head_dim + 2)``) and the
     lm_head's per-program maxima, about 0.25 MB per row for GPT-2 small; plus a split-K workspace (about 0.6 MB with the default :data:`TUNING`) and int32
-    counters, whatever the batch. ``launch_shapes`` gives each role's clamped launch (BN, BK, KSTEP, KPER,
+    counters, whatever the batch. ``pdl=True``: Programmatic Dependent Launch (module docstring,
+    :mod:`.fused_kernels`), with :data:`PDL_TUNING`'s shapes; the same cache and buffers, the same tokens as the
+    plain step (the products summed in another order: the logits' last bits differ). ``launch_shapes`` gives each role's clamped launch (BN, BK, KSTEP, KPER,
     SPLIT, num_stages, num_warps, grid) and ``tuning`` the table it came from.
 
     Args:
@@ -358,7 +182,10 @@ class FusedKVState(StaticKVState):
         attn_block: keys per attention block (a power of two); ``max_splits``: at most this many
             programs share the keys of one (row, head), each over ``ceil(blocks / splits)`` blocks.
         tuning: ``{role: (BN, BK, split, stages, warps)}``, roles left out (all, by default) taking :data:`TUNING`'s
-            at construction: the speed, and through the order of fp32 sums the logits' last bits.
+            at construction (:data:`PDL_TUNING`'s with ``pdl=True``): the speed, and through the order of fp32 sums
+            the logits' last bits.
+        pdl: launch every kernel with Programmatic Dependent Launch (compute capability >= 9.0; default False:
+            its speed is ``benchmarks/pdl_probe.py``'s until ``decode_floor.py`` measures the step).
 
     Buffers added to :class:`StaticKVState`'s: ``last_logits`` (batch, vocab) fp32, the logits of the
     last decode step; the rest is scratch.
@@ -366,11 +193,12 @@ class FusedKVState(StaticKVState):
     Raises:
         InputError: triton missing; a model that is not GPT-2, on the CPU without the interpreter, in an
             unsupported dtype or with a non-contiguous parameter; batch outside 1..14; ``max_len`` too
-            large; ``attn_block`` not a power of two; a bad ``tuning`` (:func:`check_tuning`).
+            large; ``attn_block`` not a power of two; a bad ``tuning`` (:func:`check_tuning`); a bad ``pdl``
+            (:func:`check_pdl`).
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, *, attn_block: int = 32,
-                 max_splits: int = 8, tuning: Mapping | None = None):
+                 max_splits: int = 8, tuning: Mapping | None = None, pdl: bool = False):
         if triton is None:
             raise InputError("the fused decode step needs Triton (pip install triton; it ships with CUDA "
                              "builds of torch); StaticKVState runs the same decoding without it")
@@ -381,7 +209,8 @@ class FusedKVState(StaticKVState):
         check_int("max_splits", max_splits, minimum=1, why="programs sharing one row's keys")
         if check_int("attn_block", attn_block, minimum=2, why="keys per attention block") & (attn_block - 1):
             raise InputError(f"attn_block must be a power of two >= 2, got {attn_block}")
-        tuning = check_tuning(tuning)
+        check_pdl(pdl, torch.device("cpu"))  # the type; the device's capability below
+        tuning = check_tuning(tuning, base=PDL_TUNING if pdl else TUNING)
         super().__init__(model, batch, max_len)
         self.tuning = tuning
         p = self.kv_cache
@@ -391,6 +220,9 @@ class FusedKVState(StaticKVState):
             raise InputError(f"the fused step runs Triton kernels: the model must be on a CUDA device (it is on "
                              f"{p.device}), or set TRITON_INTERPRET=1 before importing {__name__} to run them "
                              "on the CPU with Triton's interpreter")
+        self.pdl = check_pdl(pdl, p.device)
+        gdc = pdl and not _interpreting()  # the interpreter has no gdc_wait: fused_kernels' docstring
+        launch = dict(PDL=pdl, GDC=gdc, **({"launch_pdl": True} if pdl else {}))
         cfg, tr = model.config, model.transformer
         C, H, D, V = cfg.n_embd, self.n_head, self.head_dim, cfg.vocab_size
         F = cfg.n_inner or 4 * C
@@ -402,6 +234,8 @@ class FusedKVState(StaticKVState):
         bps = _cdiv(nblocks, min(nblocks, max_splits))
         nsplit = _cdiv(nblocks, bps)
         bn_lm, bk_lm, _, _, _, st_lm, nw_lm = _gemv_shape(tuning["lm_head"], C, V)
+        if pdl:
+            bk_lm, st_lm = _pow2(C), 1
         nprog = _cdiv(V, bn_lm)
         for name, shape in (("_x", (B, C)), ("_q", (B, C)), ("_h", (B, F)), ("last_logits", (B, V)),
                             ("_part", (B * H * nsplit, D + 2)), ("_best_val", (B, nprog))):
@@ -416,7 +250,7 @@ class FusedKVState(StaticKVState):
         if model.lm_head.weight.shape != (V, C):
             raise InputError(f"lm_head weight must be (vocab, n_embd) = {(V, C)}, got {tuple(model.lm_head.weight.shape)}")
         dims = {"qkv": (C, 3 * C), "proj": (C, C), "fc": (C, F), "proj2": (F, C)}
-        shapes = {r: _gemv_shape(tuning[r], K, N, D if r == "proj" else None) for r, (K, N) in dims.items()}
+        shapes = {r: _gemv_shape(tuning[r], K, N, D if r == "proj" else None, pdl) for r, (K, N) in dims.items()}
         keys = ("BN", "BK", "KSTEP", "KPER", "SPLIT", "num_stages", "num_warps")
         self.launch_shapes = {r: {**dict(zip(keys, sh)), "grid": (_cdiv(dims[r][1], sh[0]), sh[4])} for r, sh in shapes.items()}
         self.launch_shapes["lm_head"] = {**dict(zip(keys, (bn_lm, bk_lm, bk_lm, C, 1, st_lm, nw_lm))), "grid": (nprog, 1)}
@@ -436,11 +270,12 @@ class FusedKVState(StaticKVState):
                     max_len, self._ws, self._cnt)
             meta = dict(B=B, BB=bb, K=K, N=N, BK=bk, KSTEP=kstep, BN=bn, KPER=kper, SPLIT=split, SRC=src,
                         LN=ln is not None, GELU=gelu, EPI=epi, H=H, D=D, NSPLIT=nsplit, BLOCK_SPL=max(2, _pow2(nsplit)),
-                        CHUNK=bps * attn_block, PREC=prec, num_stages=stages, num_warps=warps)
+                        CHUNK=bps * attn_block, PREC=prec, num_stages=stages, num_warps=warps, **launch)
             return _ln_gemv_kernel, (_cdiv(N, bn), split), args, meta
 
         plan = []
-        attn_meta = dict(H=H, D=D, BLOCK_D=_pow2(D), NSPLIT=nsplit, BLOCK_S=attn_block, BPS=bps, num_warps=4)
+        no_pdl = {k: v for k, v in launch.items() if k != "PDL"}  # the kernels without parameters: GDC only
+        attn_meta = dict(H=H, D=D, BLOCK_D=_pow2(D), NSPLIT=nsplit, BLOCK_S=attn_block, BPS=bps, num_warps=4, **no_pdl)
         for i, blk in enumerate(tr.h):
             plan += [
                 gemv("qkv", self._x, blk.attn.c_attn.weight, blk.attn.c_attn.bias, self._q, blk.ln_1,
@@ -455,11 +290,12 @@ class FusedKVState(StaticKVState):
             (_lm_head_gemv_kernel, (nprog,),
              (self._x, model.lm_head.weight, tr.ln_f.weight, tr.ln_f.bias, eps, self.last_logits, self._best_val,
               self._best_idx, V),
-             dict(B=B, BB=bb, C=C, BN=bn_lm, BK=bk_lm, NPROG=nprog, PREC=prec, num_warps=nw_lm, num_stages=st_lm)),
+             dict(B=B, BB=bb, C=C, BN=bn_lm, BK=bk_lm, NPROG=nprog, PREC=prec, num_warps=nw_lm, num_stages=st_lm,
+                  **launch)),
             (_argmax_finish_kernel, (1,),
              (self._best_val, self._best_idx, self.token, self.generated, self.pos, max_len),
              dict(B=B, BB=max(2, _pow2(B)), NPROG=nprog, BLOCK_P=min(_pow2(nprog), 8192 // max(2, _pow2(B))),
-                  num_warps=4)),
+                  num_warps=4, **no_pdl)),
         ]
         self._plan = plan
         self.splits, self.blocks_per_split = nsplit, bps
