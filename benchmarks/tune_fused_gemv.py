@@ -65,6 +65,7 @@ import decode_floor as df  # noqa: E402
 from cgutils.env import provenance  # noqa: E402
 from cgutils.errors import InputError  # noqa: E402
 from cgutils.generation import fused_step  # noqa: E402
+from cgutils.generation.fused_kernels import KERNELS  # noqa: E402
 from cgutils.generation.fused_step import ROLES, FusedKVState  # noqa: E402
 
 T0 = time.perf_counter()
@@ -151,9 +152,9 @@ def candidates(role: str, args) -> list[tuple[tuple, str]]:
 
 def kernel_role(kernel, meta: dict) -> str | None:
     """Which role a launch of the plan serves (None: attention)."""
-    if kernel in (fused_step._lm_head_gemv_kernel, fused_step._argmax_finish_kernel):
+    if kernel in (KERNELS["lm_head_gemv"], KERNELS["argmax_finish"]):
         return "lm_head"
-    if kernel is not fused_step._ln_gemv_kernel:
+    if kernel is not KERNELS["ln_gemv"]:
         return None
     if meta["EPI"] == 2:
         return "qkv"

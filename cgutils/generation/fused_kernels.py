@@ -344,3 +344,8 @@ if triton is not None:
         tl.store(token_ptr + rows, tok, mask=rows < B)
         tl.store(gen_ptr + rows * S + pos + 1, tok, mask=(rows < B) & (pos + 1 < S))
         tl.store(pos_ptr, pos + 1)
+
+# The decode step's kernels by role, for fused_step and the tuning benchmark (the functions keep their names:
+# profiles and results/ name kernels by them).
+KERNELS = ({"ln_gemv": _ln_gemv_kernel, "attn_decode": _attn_decode_kernel, "lm_head_gemv": _lm_head_gemv_kernel,
+            "argmax_finish": _argmax_finish_kernel} if triton is not None else {})

@@ -25,9 +25,10 @@ is launched with ``launch_pdl=True``, so it may start while the one before it st
 (``griddepcontrol.wait``) before touching anything another kernel writes or reads, and the matrix-vector
 kernels load their whole block of parameters before that wait, overlapping the previous kernel's tail (NVIDIA
 CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; Triton tutorial 11). The kernels
-and the why are in :mod:`.fused_kernels`. Its speed is so far ``benchmarks/pdl_probe.py``'s, on 49 GPT-2-shaped
-products alone (H200: 117.7 us against 177.9 us plain), until ``benchmarks/decode_floor.py``'s ``fused_pdl``
-route measures the step; hence off by default.
+and the why are in :mod:`.fused_kernels`. Measured by ``benchmarks/decode_floor.py`` (route ``fused_pdl``, H200,
+``results/nvidia-h200/decode_floor/decode_floor.json``): at batch 1 it beat ``pdl=False`` in the same run (0.283 vs
+0.328 ms per step, tokens equal to the plain step's), at batch 8 it lost (0.873 vs 0.348 ms: its products make one
+pass over the weight block per batch row); hence off by default, for batch 1 only.
 
 Triton is imported if it is installed; without it importing this module works and :class:`FusedKVState`
 raises :class:`~cgutils.errors.InputError`. On a CPU, set ``TRITON_INTERPRET=1`` before this module is
@@ -41,12 +42,9 @@ import torch
 
 from ..checks import check_int, is_int
 from ..errors import InputError
-from .fused_kernels import triton
+from .fused_kernels import KERNELS, triton
 from .request import check_gpt2
 from .static_kv import StaticKVState
-
-if triton is not None:
-    from .fused_kernels import _argmax_finish_kernel, _attn_decode_kernel, _lm_head_gemv_kernel, _ln_gemv_kernel
 
 MAX_BATCH = 14  # B rows plus LayerNorm's two fill one 16-row MMA tile (tl.dot); more would double the tiles
 
@@ -271,7 +269,7 @@ class FusedKVState(StaticKVState):
             meta = dict(B=B, BB=bb, K=K, N=N, BK=bk, KSTEP=kstep, BN=bn, KPER=kper, SPLIT=split, SRC=src,
                         LN=ln is not None, GELU=gelu, EPI=epi, H=H, D=D, NSPLIT=nsplit, BLOCK_SPL=max(2, _pow2(nsplit)),
                         CHUNK=bps * attn_block, PREC=prec, num_stages=stages, num_warps=warps, **launch)
-            return _ln_gemv_kernel, (_cdiv(N, bn), split), args, meta
+            return KERNELS["ln_gemv"], (_cdiv(N, bn), split), args, meta
 
         plan = []
         no_pdl = {k: v for k, v in launch.items() if k != "PDL"}  # the kernels without parameters: GDC only
@@ -280,19 +278,19 @@ class FusedKVState(StaticKVState):
             plan += [
                 gemv("qkv", self._x, blk.attn.c_attn.weight, blk.attn.c_attn.bias, self._q, blk.ln_1,
                      2 if i == 0 else 0, epi=2, kv_i=kv[i]),
-                (_attn_decode_kernel, (B * H, nsplit),
+                (KERNELS["attn_decode"], (B * H, nsplit),
                  (self._q, kv[i], self.pos, self._part, 1.0 / D ** 0.5, *strides, max_len), attn_meta),
                 gemv("proj", self._part, blk.attn.c_proj.weight, blk.attn.c_proj.bias, self._x, src=1, epi=1),
                 gemv("fc", self._x, blk.mlp.c_fc.weight, blk.mlp.c_fc.bias, self._h, blk.ln_2, gelu=True),
                 gemv("proj2", self._h, blk.mlp.c_proj.weight, blk.mlp.c_proj.bias, self._x, epi=1),
             ]
         plan += [
-            (_lm_head_gemv_kernel, (nprog,),
+            (KERNELS["lm_head_gemv"], (nprog,),
              (self._x, model.lm_head.weight, tr.ln_f.weight, tr.ln_f.bias, eps, self.last_logits, self._best_val,
               self._best_idx, V),
              dict(B=B, BB=bb, C=C, BN=bn_lm, BK=bk_lm, NPROG=nprog, PREC=prec, num_warps=nw_lm, num_stages=st_lm,
                   **launch)),
-            (_argmax_finish_kernel, (1,),
+            (KERNELS["argmax_finish"], (1,),
              (self._best_val, self._best_idx, self.token, self.generated, self.pos, max_len),
              dict(B=B, BB=max(2, _pow2(B)), NPROG=nprog, BLOCK_P=min(_pow2(nprog), 8192 // max(2, _pow2(B))),
                   num_warps=4, **no_pdl)),
