@@ -39,3 +39,19 @@ def test_the_static_buffers_diagram_keeps_every_label_off_the_pool_box():
     overlapping = [t.get_text() for t in outside if t.get_window_extent(renderer).overlaps(box)]
     assert len(outside) == 3 * 8 and not overlapping, f"labels over the pool box: {overlapping}"
     fig.clear()
+
+
+def test_the_capture_replay_diagram_names_both_rows_and_no_label_overprints_another():
+    """Notebook 02's schematic of capture and replay (a learner review asked for a picture of the mechanism)."""
+    from cgutils.plots import diagrams
+
+    fig = diagrams.capture_replay_diagram()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in fig.axes[0].texts if t.get_text()]
+    names = " ".join(t.get_text() for t in texts)
+    assert "graph.replay()" in names and "static input" in names and "once" in names and "every call" in names
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    clashes = [(a, b) for i, (a, ea) in enumerate(boxes) for b, eb in boxes[i + 1:] if ea.overlaps(eb)]
+    assert not clashes, f"labels printed over each other: {clashes}"
+    fig.clear()

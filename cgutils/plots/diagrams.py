@@ -110,3 +110,27 @@ def while_node_diagram(title: str = ""):
     ax.set_ylim(-0.1, 2.3)
     ax.axis("off")
     return _finish(fig, ax, title)
+
+
+def capture_replay_diagram(title: str = ""):
+    """A schematic of notebook 02's section 1 in two rows: what runs once (warm-up, capture of kernels that are
+    recorded and not run, the graph with its memory pool) and what every call does (copy the input into the static
+    input, ``graph.replay()``, read or clone the static output before the next replay)."""
+    fig, ax = plt.subplots(figsize=(10, 2.4))
+    once = [("warm-up\n(eager calls)", "#dddddd", "black"),
+            ("capture: kernels\nrecorded, not run", COLORS["graph_runner"], "white"),
+            ("graph: nodes\n+ its memory pool", COLORS["graph_runner"], "white")]
+    each = [("your input", "#dddddd", "black"), ("static input\n(fixed address)", "#9ecae1", "black"),
+            ("graph.replay():\nall nodes, one call", COLORS["graph_runner"], "white"),
+            ("static output\n(in the pool)", "#fdd0a2", "black"), ("you: read or clone\nbefore next replay", "#dddddd", "black")]
+    for y, row, verbs in ((1.3, once, ["then", "gives"]), (0.1, each, ["copy_", "read", "write", ""])):
+        for k, (text, color, text_color) in enumerate(row):
+            _box(ax, 2.1 * k, y, 1.6, 0.6, text, color, text_color)
+            if k:
+                _arrow(ax, (2.1 * k - 0.5, y + 0.3), (2.1 * k, y + 0.3), verbs[k - 1])
+    ax.text(-0.1, 2.05, "once (step 1, step 2)", fontsize=8, weight="bold")
+    ax.text(-0.1, 0.85, "every call (step 3)", fontsize=8, weight="bold")
+    ax.set_xlim(-0.2, 10.1)
+    ax.set_ylim(0, 2.3)
+    ax.axis("off")
+    return _finish(fig, ax, title)
