@@ -864,3 +864,39 @@ def test_a_debug_capture_writes_a_dot_dump_that_counts_its_kernels(tmp_path):
     graph.debug_dump(str(path))
     assert path.exists(), "debug_dump wrote nothing"
     assert cg.graph_node_types(path.read_text()).get("KERNEL") == 3
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_pdl_fused_step_replayed_in_a_graph_gives_the_same_tokens_every_time(batch):
+    """FusedKVState(pdl=True): every kernel launched with Programmatic Dependent Launch, weights loaded before
+    griddepcontrol.wait. A wait placed too late would race with the kernel before it; under replay that shows
+    as tokens that change from one generation to the next or differ from the reference: at batch 1 the plain
+    step's, at batch 3 the fused step's without PDL (benchmarks/decode_floor.py measured both equal on the H200;
+    the plain step differs from both fused ones at batch 8 on a near-tie, so it is not the batch-3 reference)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from cgutils.capture.graph import capture_graph
+    from cgutils.generation import StaticKVState
+    from cgutils.generation.fused_step import FusedKVState, greedy_tokens
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).cuda().half().eval()
+    prompt = torch.randint(0, 50257, (batch, 32), device="cuda")
+
+    def replayed(state):
+        with torch.no_grad():
+            state.prefill(prompt)
+        graph, _ = capture_graph(state.decode_step, warmup=2, what="decode step")
+        with torch.no_grad():
+            return [greedy_tokens(state, prompt, 48, graph.replay) for _ in range(2)]
+
+    if batch == 1:
+        with torch.no_grad():
+            want = greedy_tokens(StaticKVState(model, batch, 96), prompt, 48)
+    else:
+        want = replayed(FusedKVState(model, batch, 96))[0]
+    first, second = replayed(FusedKVState(model, batch, 96, pdl=True))
+    assert torch.equal(first, second), "two generations from the same prompt differ: a race under replay"
+    assert torch.equal(first, want), f"first differing position: {(first != want).nonzero()[:1].tolist()}"
