@@ -39,7 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cgutils.env import provenance
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_floor.py beside this file
+import decode_floor as df  # noqa: E402
+
+from cgutils.env import provenance  # noqa: E402
 
 try:
     import triton
@@ -106,21 +109,6 @@ class Chain:
         return self.outs[-1]
 
 
-def copy_gbps() -> float:
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    ms = []
-    for i in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            ms.append(a.elapsed_time(b))
-    return 2 * n / (float(np.median(ms)) * 1e-3) / 1e9
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for pdl_probe.json")
@@ -168,7 +156,7 @@ def main(argv=None) -> int:
             b.record()
             b.synchronize()
             rows.append({"trial": trial, "variant": v, "us_per_step": a.elapsed_time(b) * 1e3 / args.replays})
-    gbps = copy_gbps()
+    gbps = df.copy_bandwidth(True)["GBps_read_plus_write"]  # decode_floor's: median of 5 copies of 1 GiB
     floor_us = chain.weight_bytes / (gbps * 1e9) * 1e6
     summary = {}
     for v in variants:

@@ -13,8 +13,8 @@ workspace and counters, ``pos``, ``token``) and lets its dependents launch right
 set, the matrix-vector kernels load their whole block of model parameters (weights, biases, LayerNorm gains;
 written by no kernel) BEFORE the wait, so those DRAM reads overlap the previous kernel's tail. That layout is
 ``benchmarks/pdl_probe.py``'s (one (K, BN) weight block per program, in registers, products on CUDA cores in
-fp32, one pass per batch row); its speed is the probe's (49 GPT-2-shaped products: 177.9 us plain, 117.7 us
-PDL with weights before the wait, H200) until ``benchmarks/decode_floor.py`` (route ``fused_pdl``) measures it.
+fp32, one pass per batch row; 49 GPT-2-shaped products on the H200: 177.9 us plain, 117.7 us PDL with weights
+before the wait); the whole step's speed is in :mod:`.fused_step`'s docstring (``benchmarks/decode_floor.py``).
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) ``gdc_wait()`` raises (an InterpreterError:
 "``_semantic`` argument must be provided outside of JIT functions", Triton 3.8), and the launcher drops the

@@ -26,8 +26,8 @@ is launched with ``launch_pdl=True``, so it may start while the one before it st
 kernels load their whole block of parameters before that wait, overlapping the previous kernel's tail (NVIDIA
 CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization"; Triton tutorial 11). The kernels
 and the why are in :mod:`.fused_kernels`. Measured by ``benchmarks/decode_floor.py`` (route ``fused_pdl``, H200,
-``results/nvidia-h200/decode_floor/decode_floor.json``): at batch 1 it beat ``pdl=False`` in the same run (0.283 vs
-0.328 ms per step, tokens equal to the plain step's), at batch 8 it lost (0.873 vs 0.348 ms: its products make one
+``results/nvidia-h200/decode_floor/decode_floor.json``): at batch 1 it beat ``pdl=False`` in the same run (0.288 vs
+0.350 ms per step, tokens equal to the plain step's), at batch 8 it lost (0.866 vs 0.370 ms: its products make one
 pass over the weight block per batch row); hence off by default, for batch 1 only.
 
 Triton is imported if it is installed; without it importing this module works and :class:`FusedKVState`
@@ -183,7 +183,7 @@ class FusedKVState(StaticKVState):
             at construction (:data:`PDL_TUNING`'s with ``pdl=True``): the speed, and through the order of fp32 sums
             the logits' last bits.
         pdl: launch every kernel with Programmatic Dependent Launch (compute capability >= 9.0; default False:
-            its speed is ``benchmarks/pdl_probe.py``'s until ``decode_floor.py`` measures the step).
+            faster at batch 1, slower at batch 8, by the module docstring's measurement).
 
     Buffers added to :class:`StaticKVState`'s: ``last_logits`` (batch, vocab) fp32, the logits of the
     last decode step; the rest is scratch.
