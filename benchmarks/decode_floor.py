@@ -1,4 +1,6 @@
-"""Issue 25: GPT-2's greedy decode step against the memory-bandwidth floor, one run on one GPU.
+"""Issue 25: GPT-2's greedy decode step against the memory-bandwidth floor, one run on one GPU: the command line
+of :func:`cgutils.bench.decode.decode_floor_run` (notebook 06 and ``python -m cgutils bench generation`` run the
+same measurement), writing the whole result as JSON.
 
 GPT-2 small (random weights, the workloads' model) in fp16, a 32-token prompt and 128 new tokens, batch 1
 and 8. Four routes:
@@ -39,21 +41,12 @@ if "--smoke" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the fused kernels are defined: before triton is imported
 
 import argparse  # noqa: E402
-import importlib.metadata  # noqa: E402
 import json  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
-from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from cgutils.env import provenance  # noqa: E402
+from cgutils.bench.decode import ROUTES, DecodeFloorConfig, decode_floor_run, load_tuning, summary  # noqa: E402
 from cgutils.errors import InputError  # noqa: E402
-from cgutils.generation import StaticKVState, fused_step, hf_generate  # noqa: E402
-from cgutils.generation.fused_step import FusedKVState, greedy_tokens  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -62,338 +55,12 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-def error_text(exc: BaseException) -> str:
-    tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    return f"{type(exc).__name__}: {exc}\n" + "".join(tb[-3:])[-1500:]
-
-
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def elapsed_ms(fn, cuda: bool) -> float:
-    """Wall time of ``fn()`` on the GPU (CUDA events on the current stream) or the host (smoke)."""
-    sync(cuda)
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
-def copy_bandwidth(cuda: bool) -> dict:
-    """Device-to-device ``copy_`` bandwidth, bytes read + written per second (median of 5)."""
-    n = (1 << 30) if cuda else (64 << 20)
-    dev = "cuda" if cuda else "cpu"
-    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
-    for _ in range(2):
-        dst.copy_(src)
-    ms = float(np.median([elapsed_ms(lambda: dst.copy_(src), cuda) for _ in range(5)]))
-    return {"bytes_copied": n, "ms": ms, "GBps_read_plus_write": 2 * n / (ms * 1e-3) / 1e9}
-
-
-def load_tuning(text: str | None) -> dict:
-    """The fused route's table: from a file (tune_fused_gemv.json: its ``merged_tuning``) or JSON text, checked
-    and completed by ``fused_step.check_tuning``; ``None``: the module's TUNING."""
-    if text is None:
-        return fused_step.check_tuning()
-    path = Path(text)
-    if not path.exists() and not text.lstrip().startswith("{"):
-        raise OSError("no such file, and not a JSON mapping")
-    data = json.loads(path.read_text() if path.exists() else text)
-    if isinstance(data, dict) and "merged_tuning" in data:
-        data = data["merged_tuning"]
-    return fused_step.check_tuning(data)
-
-
-def build_model(smoke: bool):
-    if smoke:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        torch.manual_seed(0)
-        cfg = GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=64, vocab_size=101)
-        return GPT2LMHeadModel(cfg).eval()
-    from cgutils.bench.generation import _gpt2
-
-    return _gpt2("fp16", "benchmarks/decode_floor.py")
-
-
-def floor_bytes(model, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """Bytes one decode step must read at least: every weight once (the position table: one row), and
-    the keys and values of positions 0..pos, averaged over the ``new_tokens - 1`` decode steps."""
-    cfg = model.config
-    wpe = model.transformer.wpe.weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) - wpe.numel() * wpe.element_size()
-    weights += cfg.n_embd * wpe.element_size()
-    keys = np.mean([pos + 1 for pos in range(prompt_len, prompt_len + new_tokens - 1)])
-    cache = float(keys * 2 * cfg.n_layer * batch * cfg.n_embd * wpe.element_size())
-    return {"weight_bytes": int(weights), "cache_bytes_avg": cache, "total_bytes": weights + cache}
-
-
-class GraphRoute:
-    """A static-cache state's step, captured in one CUDA graph (eager in smoke mode)."""
-
-    def __init__(self, state: StaticKVState, prompt: torch.Tensor, new_tokens: int, cuda: bool):
-        self.state, self.prompt, self.n, self.cuda = state, prompt, new_tokens, cuda
-        self.step = state.decode_step
-        if cuda:
-            from cgutils.capture.graph import capture_graph
-
-            with torch.no_grad():
-                state.prefill(prompt)  # warm-up steps advance pos for real: start them from the prompt
-            self.graph, _ = capture_graph(state.decode_step, warmup=2, what=f"{type(state).__name__} step")
-            self.step = self.graph.replay
-
-    def tokens(self) -> torch.Tensor:
-        return greedy_tokens(self.state, self.prompt, self.n, self.step)
-
-    def ms_per_step(self) -> float:
-        with torch.no_grad():
-            self.state.prefill(self.prompt)
-
-        def steps():
-            for _ in range(self.n - 1):
-                self.step()
-
-        return elapsed_ms(steps, self.cuda) / (self.n - 1)
-
-    def logits_at(self, step: int) -> torch.Tensor:
-        """fp32 logits (batch, vocab) behind generated token ``step`` (0: the prefill's) of a generation as in
-        :meth:`tokens`: the prefill's logits, or ``step - 1`` steps and then the step itself, whose logits are
-        the fused state's ``last_logits``; the plain state runs its step's ops once eagerly (the same kernels
-        as its graph) at that position."""
-        st, T = self.state, self.prompt.shape[1]
-        with torch.no_grad():
-            if step == 0:  # both states prefill through StaticKVState.logits
-                return st.logits(self.prompt, st.key_pos[:T])[:, -1].float()
-            st.prefill(self.prompt)
-            for _ in range(step - 1):
-                self.step()
-            if isinstance(st, FusedKVState):
-                self.step()
-                return st.last_logits.clone()
-            return st.logits(st.token, st.pos)[:, -1].float()
-
-    def profiled(self, reps: int = 5):
-        with torch.no_grad():
-            self.state.prefill(self.prompt)
-
-        def steps():
-            for _ in range(reps):
-                self.step()
-
-        return steps, reps
-
-
-class HFRoute:
-    def __init__(self, model, prompt: torch.Tensor, new_tokens: int, cuda: bool):
-        self.model, self.prompt, self.n, self.cuda = model, prompt, new_tokens, cuda
-
-    def tokens(self) -> torch.Tensor:
-        return hf_generate(self.model, self.prompt, self.n, cache_implementation="static")
-
-    def ms_per_step(self) -> float:
-        return elapsed_ms(self.tokens, self.cuda) / self.n
-
-    def profiled(self):
-        return self.tokens, self.n
-
-
-def kernel_profile(fn, per: int) -> dict:
-    """Kernels, memcpy/memset and GPU-busy µs per step from a torch.profiler trace (CUDA activity) of ``fn``."""
-    from torch.profiler import ProfilerActivity
-
-    from cgutils.capture.inspect import kernel_family
-    from cgutils.overhead import profiler_session
-
-    torch.cuda.synchronize()
-    with profiler_session(activities=[ProfilerActivity.CUDA]) as prof:  # CUPTI torn down: later trials unslowed
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    by_class, by_name, counts = defaultdict(float), defaultdict(lambda: [0, 0.0]), defaultdict(int)
-    for e in events:
-        cat = e.get("cat", "")
-        if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        name, dur = e.get("name", "?"), float(e.get("dur", 0.0))
-        cls = kernel_family(name) if cat == "kernel" else cat.replace("gpu_", "")
-        counts[cat] += 1
-        by_class[cls] += dur
-        key = (name[:120], str(e.get("args", {}).get("grid", "")))  # one Triton kernel serves several matrices
-        by_name[key][0] += 1
-        by_name[key][1] += dur
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:16]
-    return {"kernels_per_step": counts["kernel"] / per,
-            "memcpy_memset_per_step": (counts["gpu_memcpy"] + counts["gpu_memset"]) / per,
-            "gpu_busy_us_per_step": sum(by_class.values()) / per,
-            "us_per_step_by_class": {k: v / per for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": n, "grid": g, "per_step": c / per, "us_per_step": d / per}
-                            for (n, g), (c, d) in top],
-            "steps_profiled": per}
-
-
-def compare_tokens(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> dict:
-    a, b = a.cpu(), b.cpu()
-    if a.shape != b.shape:
-        return {"equal": False, "note": f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"}
-    diff = (a[:, prompt_len:] != b[:, prompt_len:])
-    if not diff.any():
-        return {"equal": True}
-    cols = diff.any(0).nonzero().flatten()
-    first = int(cols[0])
-    return {"equal": False, "first_differing_step": first, "rows_differing_there": diff[:, first].nonzero().flatten().tolist(),
-            "same_fraction": float(1 - diff.float().mean())}
-
-
-def margins_at(routes: dict, toks: dict, ref: str, other: str, step: int, row: int, prompt_len: int) -> dict:
-    """Where two routes' tokens first differ (generated token ``step`` of batch row ``row``): each route's top-2
-    logits there as fp32 (plain: the model's fp16 logits; fused: its fp32 ones), their margin, and its own
-    token's logit minus the other route's token's; small margins on both sides mean a near-tie that rounding
-    can tip. transformers' route keeps no logits."""
-    out: dict = {"step": step, "row": row, "reference": ref, "routes": {}}
-    chosen = {n: int(toks[n][row, prompt_len + step]) for n in (ref, other)}
-    for name, rival in ((ref, other), (other, ref)):
-        route = routes.get(name)
-        if not isinstance(route, GraphRoute):
-            out["routes"][name] = {"token": chosen[name], "note": "no logits (transformers' generate, or the route failed)"}
-            continue
-        try:
-            lg = route.logits_at(step)[row].float().cpu()
-        except Exception as exc:
-            out["routes"][name] = {"token": chosen[name], "error": error_text(exc)}
-            continue
-        val, ids = lg.topk(2)
-        out["routes"][name] = {"token": chosen[name], "recomputed_argmax": int(lg.argmax()),
-                               "top2_ids": ids.tolist(), "top2_logits": val.tolist(),
-                               "top2_margin": float(val[0] - val[1]),
-                               "own_minus_rival_token": float(lg[chosen[name]] - lg[chosen[rival]])}
-    return out
-
-
-def run_batch(model, batch: int, args, cuda: bool, bw: dict | None) -> dict:
-    cfg = model.config
-    prompt = torch.randint(0, cfg.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
-    prompt = prompt.to(model.lm_head.weight.device)
-    max_len = args.prompt_len + args.new_tokens
-    out: dict = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "cache_len": max_len,
-                 "routes": {}}
-    routes: dict = {}
-    for name in args.routes:
-        rec = out["routes"][name] = {}
-        log(f"batch {batch}: setting up {name}")
-        try:
-            t = time.perf_counter()
-            if name == "plain":
-                routes[name] = GraphRoute(StaticKVState(model, batch, max_len), prompt, args.new_tokens, cuda)
-            elif name in ("fused", "fused_pdl"):
-                pdl = name == "fused_pdl"
-                state = FusedKVState(model, batch, max_len, tuning=None if pdl else args.tuning_table, pdl=pdl)
-                rec["kernels_per_step_launched"] = state.kernels_per_step
-                routes[name] = GraphRoute(state, prompt, args.new_tokens, cuda)
-            else:
-                routes[name] = HFRoute(model, prompt, args.new_tokens, cuda)
-            rec["tokens"] = routes[name].tokens()  # first generation: Triton/Inductor compile for the fused/hf routes
-            sync(cuda)
-            rec["setup_s"] = time.perf_counter() - t
-            routes[name].ms_per_step()  # one untimed round after the setup
-        except Exception as exc:  # keep the other routes
-            rec["error"] = error_text(exc)
-            routes.pop(name, None)
-            log(f"batch {batch}: {name} failed: {exc}")
-    samples: dict = {n: [] for n in routes}
-    names = list(routes)
-    log(f"batch {batch}: {args.trials} interleaved trials of {names}")
-    for trial in range(args.trials):
-        turn = trial % max(1, len(names))
-        for name in names[turn:] + names[:turn]:
-            if name not in routes:
-                continue
-            try:
-                samples[name].append(routes[name].ms_per_step())
-            except Exception as exc:
-                out["routes"][name]["error"] = error_text(exc)
-                routes.pop(name)
-    floor = floor_bytes(model, batch, args.prompt_len, args.new_tokens)
-    if bw:
-        floor["floor_us"] = floor["total_bytes"] / (bw["GBps_read_plus_write"] * 1e9) * 1e6
-    out["floor"] = floor
-    for name, ms in samples.items():
-        if not ms:
-            continue
-        rec = out["routes"][name]
-        p10, med, p90 = np.percentile(ms, [10, 50, 90])
-        rec.update(ms_per_step={"median": float(med), "p10": float(p10), "p90": float(p90), "n": len(ms)})
-        if "floor_us" in floor:
-            rec["ratio_to_floor"] = float(med) * 1e3 / floor["floor_us"]
-        if cuda and name in routes:
-            try:
-                rec["profile"] = kernel_profile(*routes[name].profiled())
-            except Exception as exc:
-                rec["profile_error"] = error_text(exc)
-    toks = {n: r.pop("tokens") for n, r in out["routes"].items() if "tokens" in r}
-    out["tokens"] = {f"{a}_vs_{b}": compare_tokens(toks[a], toks[b], args.prompt_len)
-                     for a, b in (("fused", "plain"), ("fused_pdl", "plain"), ("fused_pdl", "fused"), ("plain", "hf"),
-                                  ("fused", "hf")) if a in toks and b in toks}
-    for key, cmp in out["tokens"].items():
-        other, ref = key.split("_vs_")  # the second route of a pair is the reference
-        probe = (args.smoke and key in ("fused_vs_plain", "fused_pdl_vs_plain") and cmp.get("equal")
-                 and args.new_tokens > 1)  # the path runs
-        if "first_differing_step" in cmp or probe:
-            step, row = (cmp["first_differing_step"], cmp["rows_differing_there"][0]) if not probe else (1, 0)
-            cmp["margins"] = margins_at(routes, toks, ref, other, step, row, args.prompt_len)
-            cmp["margins"]["probe"] = bool(probe)
-    return out
-
-
-def summary(result: dict) -> str:
-    lines = [f"GPU: {result['provenance'].get('gpu')}  copy bandwidth: "
-             f"{(result.get('copy_bandwidth') or {}).get('GBps_read_plus_write', float('nan')):.0f} GB/s (read + write)"]
-    for b in result["batches"]:
-        fl = b["floor"]
-        lines.append(f"\nbatch {b['batch']}: floor {fl.get('floor_us', float('nan')):.1f} us/step "
-                     f"({fl['total_bytes'] / 1e6:.1f} MB: weights {fl['weight_bytes'] / 1e6:.1f}, "
-                     f"cache {fl['cache_bytes_avg'] / 1e6:.1f})")
-        for name, r in b["routes"].items():
-            if "ms_per_step" not in r:
-                lines.append(f"  {name:9s} FAILED: {r.get('error', '?').splitlines()[0]}")
-                continue
-            s, prof = r["ms_per_step"], r.get("profile", {})
-            lines.append(f"  {name:9s} {s['median']:.4f} ms/step (p10 {s['p10']:.4f}, p90 {s['p90']:.4f}), "
-                         f"x{r.get('ratio_to_floor', float('nan')):.1f} floor, "
-                         f"{prof.get('kernels_per_step', float('nan')):.1f} kernels/step, "
-                         f"GPU busy {prof.get('gpu_busy_us_per_step', float('nan')):.1f} us/step")
-            for cls, us in list(prof.get("us_per_step_by_class", {}).items())[:6]:
-                lines.append(f"           {cls:14s} {us:8.1f} us")
-        for k, v in b["tokens"].items():
-            lines.append(f"  tokens {k}: " + ("equal" if v["equal"] else
-                                               f"differ from step {v.get('first_differing_step')} "
-                                               f"(rows {v.get('rows_differing_there')}, {v.get('same_fraction', 0):.0%} same)"))
-            mg = v.get("margins")
-            for name, m in (mg or {}).get("routes", {}).items():
-                at = f"step {mg['step']} row {mg['row']}" + (" (probe)" if mg.get("probe") else "")
-                lines.append(f"    {name:9s} at {at}: token {m['token']}, " + (
-                    f"top-2 margin {m['top2_margin']:.4g} (ids {m['top2_ids']}), own - rival {m['own_minus_rival_token']:.4g}"
-                    if "top2_margin" in m else m.get("note") or m.get("error", "?").splitlines()[0]))
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="folder for decode_floor.json")
     ap.add_argument("--trials", type=int, default=None, help="interleaved trials (default 9; smoke 2)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8; smoke 1 2)")
-    ap.add_argument("--routes", nargs="+", choices=("plain", "fused", "fused_pdl", "hf"),
-                    default=["plain", "fused", "fused_pdl", "hf"])
+    ap.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 32; smoke 6)")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 128; smoke 4)")
     ap.add_argument("--tuning", default=None,
@@ -402,41 +69,18 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny GPT-2: checks the script")
     args = ap.parse_args()
     try:
-        args.tuning_table = load_tuning(args.tuning)
+        tuning = load_tuning(args.tuning)
     except (OSError, ValueError, InputError) as exc:
         sys.exit(f"--tuning {args.tuning!r}: {exc}")
     s = args.smoke
-    args.trials = args.trials or (2 if s else 9)
-    args.batches = args.batches or ([1, 2] if s else [1, 8])
-    args.prompt_len = args.prompt_len or (6 if s else 32)
-    args.new_tokens = args.new_tokens or (4 if s else 128)
-    cuda = not s
-    if cuda and not torch.cuda.is_available():
-        sys.exit("decode_floor.py needs a CUDA GPU (or --smoke)")
-    prov = provenance()
-    for dist in ("triton", "transformers"):
-        try:
-            prov[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            prov[dist] = None
-    result: dict = {"provenance": prov, "smoke": s, "args": {k: str(v) for k, v in vars(args).items()},
-                    "fused_tuning": {k: list(v) for k, v in args.tuning_table.items()},
-                    "fused_tuning_from": args.tuning or "fused_step.TUNING", "batches": []}
-    log(f"{prov.get('gpu') or 'CPU (smoke)'}, torch {prov['torch']}, triton {prov['triton']}")
+    cfg = DecodeFloorConfig(batches=tuple(args.batches or ([1, 2] if s else [1, 8])), routes=tuple(args.routes),
+                            trials=args.trials or (2 if s else 9), prompt_len=args.prompt_len or (6 if s else 32),
+                            new_tokens=args.new_tokens or (4 if s else 128), tuning_table=tuning, smoke=s, log=log)
     try:
-        result["copy_bandwidth"] = copy_bandwidth(cuda)
-        log(f"copy bandwidth {result['copy_bandwidth']['GBps_read_plus_write']:.0f} GB/s (read + write)")
-    except Exception as exc:
-        result["copy_bandwidth_error"] = error_text(exc)
-    model = build_model(s)
-    for batch in args.batches:
-        try:
-            with torch.no_grad():
-                result["batches"].append(run_batch(model, batch, args, cuda, result.get("copy_bandwidth")))
-        except Exception as exc:
-            result["batches"].append({"batch": batch, "error": error_text(exc), "routes": {}, "tokens": {},
-                                      "floor": {"total_bytes": 0, "weight_bytes": 0, "cache_bytes_avg": 0}})
-    result["wall_s"] = time.perf_counter() - T0
+        result = decode_floor_run(cfg)
+    except InputError as exc:
+        sys.exit(f"decode_floor.py: {exc}")
+    result["fused_tuning_from"] = args.tuning or "fused_step.TUNING"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_floor.json").write_text(json.dumps(result, indent=1))
     print(summary(result), flush=True)

@@ -39,10 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_floor.py beside this file
-import decode_floor as df  # noqa: E402
-
-from cgutils.env import provenance  # noqa: E402
+from cgutils.bench.decode import copy_bandwidth
+from cgutils.env import provenance
 
 try:
     import triton
@@ -156,7 +154,7 @@ def main(argv=None) -> int:
             b.record()
             b.synchronize()
             rows.append({"trial": trial, "variant": v, "us_per_step": a.elapsed_time(b) * 1e3 / args.replays})
-    gbps = df.copy_bandwidth(True)["GBps_read_plus_write"]  # decode_floor's: median of 5 copies of 1 GiB
+    gbps = copy_bandwidth(True)["GBps_read_plus_write"]  # decode_floor's: median of 5 copies of 1 GiB
     floor_us = chain.weight_bytes / (gbps * 1e9) * 1e6
     summary = {}
     for v in variants:

@@ -59,9 +59,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode_floor.py beside this file
-import decode_floor as df  # noqa: E402
-
+import cgutils.bench.decode as df  # noqa: E402  (decode_floor.py's measurement; after TRITON_INTERPRET is set)
 from cgutils.env import provenance  # noqa: E402
 from cgutils.errors import InputError  # noqa: E402
 from cgutils.generation import fused_step  # noqa: E402

@@ -1,5 +1,6 @@
 """Greedy GPT-2 generation (notebook 06): transformers' ``generate`` against cgutils' static-cache
-decoder, eager, graphed, graphed after Inductor fusion, and compiled; per-token latency; batch sweep."""
+decoder, eager, graphed, graphed after Inductor fusion, and compiled; per-token latency; batch sweep; and (from
+:mod:`.decode`) the decode step's routes against the bandwidth floor."""
 
 from __future__ import annotations
 
@@ -137,8 +138,11 @@ def batch_sweep(dtype: str = "fp16", batches: Iterable[int] = range(1, 9), promp
 
 
 def measure_suite(opts: Options) -> tuple:
-    """The suite's tables, in the registry's order: ``(generation, generation_steps, generation_batch)``."""
-    return generation_table(), decode_step_times(), batch_sweep()
+    """The suite's tables, in the registry's order: ``(generation, generation_steps, generation_batch,
+    decode_floor, decode_floor_classes)``; the last two from :func:`cgutils.bench.decode.decode_floor_run`."""
+    from .decode import decode_floor_frames, decode_floor_run
+
+    return (generation_table(), decode_step_times(), batch_sweep(), *decode_floor_frames(decode_floor_run()))
 
 
 def report(frames: Mapping[str, Any], source: str, prov: dict, markdown: bool) -> None:
