@@ -45,7 +45,7 @@ import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from cgutils.bench.decode import ROUTES, DecodeFloorConfig, decode_floor_run, load_tuning, summary  # noqa: E402
+from cgutils.bench.decode import ROUTES, DecodeFloorConfig, decode_floor_run, load_tuning  # noqa: E402
 from cgutils.errors import InputError  # noqa: E402
 
 T0 = time.perf_counter()
@@ -53,6 +53,38 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def summary(result: dict) -> str:
+    lines = [f"GPU: {result['provenance'].get('gpu')}  copy bandwidth: "
+             f"{(result.get('copy_bandwidth') or {}).get('GBps_read_plus_write', float('nan')):.0f} GB/s (read + write)"]
+    for b in result["batches"]:
+        fl = b["floor"]
+        lines.append(f"\nbatch {b['batch']}: floor {fl.get('floor_us', float('nan')):.1f} us/step "
+                     f"({fl['total_bytes'] / 1e6:.1f} MB: weights {fl['weight_bytes'] / 1e6:.1f}, "
+                     f"cache {fl['cache_bytes_avg'] / 1e6:.1f})")
+        for name, r in b["routes"].items():
+            if "ms_per_step" not in r:
+                lines.append(f"  {name:9s} FAILED: {r.get('error', '?').splitlines()[0]}")
+                continue
+            s, prof = r["ms_per_step"], r.get("profile", {})
+            lines.append(f"  {name:9s} {s['median']:.4f} ms/step (p10 {s['p10']:.4f}, p90 {s['p90']:.4f}), "
+                         f"x{r.get('ratio_to_floor', float('nan')):.1f} floor, "
+                         f"{prof.get('kernels_per_step', float('nan')):.1f} kernels/step, "
+                         f"GPU busy {prof.get('gpu_busy_us_per_step', float('nan')):.1f} us/step")
+            for cls, us in list(prof.get("us_per_step_by_class", {}).items())[:6]:
+                lines.append(f"           {cls:14s} {us:8.1f} us")
+        for k, v in b["tokens"].items():
+            lines.append(f"  tokens {k}: " + ("equal" if v["equal"] else
+                                               f"differ from step {v.get('first_differing_step')} "
+                                               f"(rows {v.get('rows_differing_there')}, {v.get('same_fraction', 0):.0%} same)"))
+            mg = v.get("margins")
+            for name, m in (mg or {}).get("routes", {}).items():
+                at = f"step {mg['step']} row {mg['row']}" + (" (probe)" if mg.get("probe") else "")
+                lines.append(f"    {name:9s} at {at}: token {m['token']}, " + (
+                    f"top-2 margin {m['top2_margin']:.4g} (ids {m['top2_ids']}), own - rival {m['own_minus_rival_token']:.4g}"
+                    if "top2_margin" in m else m.get("note") or m.get("error", "?").splitlines()[0]))
+    return "\n".join(lines)
 
 
 def main() -> None:

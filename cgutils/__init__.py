@@ -12,7 +12,10 @@ from .bench import (
     METHOD_LABELS,
     SUITES,
     VARIANT_LABELS,
+    DecodeFloorConfig,
     batch_sweep,
+    decode_floor_frames,
+    decode_floor_run,
     decode_step_times,
     eager_reference,
     generation_table,
@@ -89,7 +92,7 @@ __all__ = [
     # workloads, generation, benchmark suites
     "WORKLOADS", "get_workload", "GreedyDecoder", "StaticKVState", "hf_generate", "SUITES", "speedup_table",
     "summary_table", "eager_reference", "graph_methods_table", "method_targets", "memory_table", "validation_cost",
-    "generation_table", "decode_step_times", "batch_sweep", "VARIANT_LABELS", "METHOD_LABELS", "DECODER_LABELS",
+    "generation_table", "decode_step_times", "batch_sweep", "DecodeFloorConfig", "decode_floor_run", "decode_floor_frames", "VARIANT_LABELS", "METHOD_LABELS", "DECODER_LABELS",
     # results store, recorded notebooks, environment
     "ResultsStore", "current_store", "check_recordings", "setup_notebook", "mode", "provenance",
 ]

@@ -147,9 +147,11 @@ def build_model(smoke: bool):
         torch.manual_seed(0)
         cfg = GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=64, vocab_size=101)
         return GPT2LMHeadModel(cfg).eval()
-    from .generation import _gpt2
+    from ..checks import require_cuda
+    from ..workloads import get_workload
 
-    return _gpt2("fp16", "decode_floor_run")
+    require_cuda("decode_floor_run", "`python -m cgutils bench generation` shows the recorded tables instead")
+    return get_workload("gpt2-generate100").build("fp16", "cuda").model  # the speedup table's GPT-2, same weights
 
 
 def floor_bytes(model, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -382,40 +384,6 @@ def run_batch(model, batch: int, args: DecodeFloorConfig, cuda: bool, bw: dict |
             cmp["margins"] = margins_at(routes, toks, ref, other, step, row, args.prompt_len)
             cmp["margins"]["probe"] = bool(probe)
     return out
-
-
-def summary(result: dict) -> str:
-    lines = [f"GPU: {result['provenance'].get('gpu')}  copy bandwidth: "
-             f"{(result.get('copy_bandwidth') or {}).get('GBps_read_plus_write', float('nan')):.0f} GB/s (read + write)"]
-    for b in result["batches"]:
-        fl = b["floor"]
-        lines.append(f"\nbatch {b['batch']}: floor {fl.get('floor_us', float('nan')):.1f} us/step "
-                     f"({fl['total_bytes'] / 1e6:.1f} MB: weights {fl['weight_bytes'] / 1e6:.1f}, "
-                     f"cache {fl['cache_bytes_avg'] / 1e6:.1f})")
-        for name, r in b["routes"].items():
-            if "ms_per_step" not in r:
-                lines.append(f"  {name:9s} FAILED: {r.get('error', '?').splitlines()[0]}")
-                continue
-            s, prof = r["ms_per_step"], r.get("profile", {})
-            lines.append(f"  {name:9s} {s['median']:.4f} ms/step (p10 {s['p10']:.4f}, p90 {s['p90']:.4f}), "
-                         f"x{r.get('ratio_to_floor', float('nan')):.1f} floor, "
-                         f"{prof.get('kernels_per_step', float('nan')):.1f} kernels/step, "
-                         f"GPU busy {prof.get('gpu_busy_us_per_step', float('nan')):.1f} us/step")
-            for cls, us in list(prof.get("us_per_step_by_class", {}).items())[:6]:
-                lines.append(f"           {cls:14s} {us:8.1f} us")
-        for k, v in b["tokens"].items():
-            lines.append(f"  tokens {k}: " + ("equal" if v["equal"] else
-                                               f"differ from step {v.get('first_differing_step')} "
-                                               f"(rows {v.get('rows_differing_there')}, {v.get('same_fraction', 0):.0%} same)"))
-            mg = v.get("margins")
-            for name, m in (mg or {}).get("routes", {}).items():
-                at = f"step {mg['step']} row {mg['row']}" + (" (probe)" if mg.get("probe") else "")
-                lines.append(f"    {name:9s} at {at}: token {m['token']}, " + (
-                    f"top-2 margin {m['top2_margin']:.4g} (ids {m['top2_ids']}), own - rival {m['own_minus_rival_token']:.4g}"
-                    if "top2_margin" in m else m.get("note") or m.get("error", "?").splitlines()[0]))
-    return "\n".join(lines)
-
-
 
 
 def decode_floor_run(config: DecodeFloorConfig | None = None, model=None) -> dict:
