@@ -128,7 +128,26 @@ def cmd_record(args: argparse.Namespace) -> int:
               "`python -m cgutils record --check` tells whether the recordings are current.")
         return 2
     os.environ["CGUTILS_RECORD"] = "1"  # the kernels inherit it
-    return _execute_notebooks(args.notebooks, args.timeout, "recording notebooks")
+    stems = args.notebooks
+    if args.changed:
+        from .recorded import PLAN_ENV, cells_to_run
+
+        plan, stems = [], []
+        nb_dir = env.REPO_ROOT / "notebooks"
+        statuses = check_recordings()
+        for nb in sorted({s.notebook for s in statuses} & set(_stems(args.notebooks) or [s.notebook for s in statuses])):
+            changed = {s.key for s in statuses if s.notebook == nb and s.status != "ok"}
+            keys = cells_to_run(nb_dir / f"{nb}.ipynb", changed) if changed else []
+            print(f"{nb}: " + (f"runs {', '.join(keys)}" + (f" (needed by {', '.join(sorted(changed))})"
+                                                          if set(keys) != changed else "")
+                               if keys else "all recordings current, skipped"))
+            plan += [f"{nb}/{k}" for k in keys]
+            if keys:
+                stems.append(nb)
+        if not stems:
+            return 0
+        os.environ[PLAN_ENV] = ",".join(plan)
+    return _execute_notebooks(stems, args.timeout, "recording notebooks")
 
 
 def cmd_figures(args: argparse.Namespace) -> int:
@@ -255,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("record", help="re-record notebooks on a GPU, or --check recordings")
     r.add_argument("--check", action="store_true",
                    help="do not record: report cells that are stale, ran changed library code, or are missing")
+    r.add_argument("--changed", action="store_true",
+                   help="run only the recorded cells whose recording is not current (and the earlier ones whose "
+                        "names they read); replay the rest from their recordings")
     r.add_argument("--verbose", "-v", action="store_true", help="with --check: say why each cell is not current")
     r.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
     r.add_argument("--timeout", type=_at_least(1, int), default=1800, help="seconds per cell (default 1800)")

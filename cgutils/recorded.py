@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ast
 import base64
+import json
+import os
 import sys
 import traceback
 from collections.abc import Iterator
@@ -95,6 +97,10 @@ def recorded_cell(line: str, cell: str) -> None:
     shell = get_ipython()
     c = _cell(line, cell)
     if env.mode() == "recorded":
+        _replay_recorded(shell, c)
+    elif recording_enabled() and not runs_live(c.notebook, c.key):
+        # `record --changed` replays a cell whose recording is current; its imports run, for the live cells after
+        exec(top_level_imports(c.body), shell.user_ns)  # noqa: S102 - the cell's own import lines
         _replay_recorded(shell, c)
     else:
         _run_and_record(shell, c)
@@ -360,3 +366,132 @@ def _recorded_cells(name: str) -> int | None:
         return len(recorded_cells(env.REPO_ROOT / "notebooks" / f"{name}.ipynb"))
     except (RecordingError, InputError):
         return None
+
+# --- record --changed: which recorded cells run on the GPU -----------------------------------------------
+# Re-record only what changed: which ``%%recorded`` cells of a notebook must run on the GPU.
+#
+# ``python -m cgutils record --changed`` runs each notebook with the cells whose recording is current
+# *replayed* (their outputs shown and their ``--save`` variables restored, as in recorded mode) and runs the
+# rest for real. A cell that runs for real may read a name that only an earlier recorded cell's body binds
+# (a model, a captured graph): a replayed cell restores its ``--save`` variables and nothing else, so such an
+# earlier cell runs for real too (and so on, transitively). Names are found statically (:mod:`ast`); a name
+# bound some other way (``globals()``, ``exec``) still fails at run time with a ``NameError``, and a full
+# ``record`` of that notebook is the fallback.
+#
+# Why: a notebook's recording takes up to 7 minutes on the GPU, mostly in cells that did not change, and
+# device time is scarce. Each cell's recording carries its own provenance (commit, date), so a notebook
+# recorded this way shows, cell by cell, when each output was produced.
+
+PLAN_ENV = "CGUTILS_RECORD_LIVE"  # "notebook/key,notebook/key,...": the cells a --changed run runs for real
+
+
+@dataclass(frozen=True)
+class _CodeCell:
+    key: str | None  # the recorded cell's key; None for a plain code cell
+    saves: frozenset[str]  # the variables its --save restores when it is replayed
+    binds: frozenset[str]
+    reads: frozenset[str]
+    imports: frozenset[str]  # bound by its top-level imports, which a replay runs too (top_level_imports)
+
+
+def _python(source: str) -> str:
+    """The cell as plain Python (IPython magics and ``!`` lines translated), for :mod:`ast`."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+    except ImportError:  # without IPython no notebook runs either; keep the lines that parse
+        return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    return TransformerManager().transform_cell(source)
+
+
+def _names(source: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(names the code binds at module level or anywhere, names it reads); both empty if it does not parse."""
+    try:
+        tree = ast.parse(_python(source))
+    except SyntaxError:
+        return frozenset(), frozenset()
+    binds, reads = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (reads if isinstance(node.ctx, ast.Load) else binds).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            binds.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.arg):
+            binds.add(node.arg)
+    return frozenset(binds), frozenset(reads - binds)
+
+
+def top_level_imports(source: str) -> str:
+    """The cell's top-level ``import`` statements as code: a ``record --changed`` run executes them when it
+    replays the cell, so later cells that run for real find the modules the cell imported ('' if none)."""
+    try:
+        tree = ast.parse(_python(source))
+    except SyntaxError:
+        return ""
+    return "\n".join(ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def _imported(source: str) -> frozenset[str]:
+    code = top_level_imports(source)
+    return _names(code)[0] if code else frozenset()
+
+
+def code_cells(notebook_path: Path | str) -> list[_CodeCell]:
+    """Every code cell of a notebook file, in order, with the names it binds and reads.
+
+    Raises:
+        RecordingError: the file is missing or not JSON.
+        InputError: a ``%%recorded`` line does not parse.
+    """
+    try:
+        nb = json.loads(Path(notebook_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RecordingError(f"cannot read notebook {notebook_path}: {exc}") from exc
+    cells = []
+    for c in nb.get("cells", []):
+        if c.get("cell_type") != "code":
+            continue
+        src = "".join(c.get("source", [])) if isinstance(c.get("source"), list) else c.get("source", "")
+        first, _, body = src.partition("\n")
+        key, saves = None, frozenset()
+        if first.startswith(MAGIC):
+            args = parse_magic_line(first[len(MAGIC):])
+            key, saves = args.key, frozenset(item.partition(":")[0] for item in args.save)
+            src = body
+        cells.append(_CodeCell(key, saves, *_names(src), _imported(src) if key else frozenset()))
+    return cells
+
+
+def cells_to_run(notebook_path: Path | str, changed: set[str]) -> list[str]:
+    """The keys of the recorded cells to run for real: ``changed`` (stale or missing recordings) and every
+    earlier recorded cell whose body binds a name one of them reads and no plain cell before it binds (and
+    that its ``--save`` and top-level imports do not restore), transitively; in notebook order.
+
+    Args:
+        notebook_path: the ``.ipynb`` file.
+        changed: keys of its recorded cells whose recording is not current.
+    """
+    cells = code_cells(notebook_path)
+    live = set(changed)
+    grew = True
+    while grew:
+        grew = False
+        for i, cell in enumerate(cells):
+            if cell.key is None or cell.key not in live:
+                continue
+            for name in cell.reads:
+                if any(c.key is None and name in c.binds for c in cells[:i]):
+                    continue  # a plain cell binds it too, as recorded mode relies on (an import, a helper)
+                binder = next((c for c in reversed(cells[:i]) if name in c.binds), None)
+                if (binder is not None and binder.key is not None and binder.key not in live
+                        and name not in binder.saves and name not in binder.imports):
+                    live.add(binder.key)
+                    grew = True
+    return [c.key for c in cells if c.key in live]
+
+
+def runs_live(notebook: str, key: str) -> bool:
+    """False when a ``record --changed`` run replays this cell's current recording instead of running it."""
+    plan = os.environ.get(PLAN_ENV)
+    return plan is None or f"{notebook}/{key}" in plan.split(",")

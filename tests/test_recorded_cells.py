@@ -226,3 +226,25 @@ def test_a_banner_counts_one_library_file_in_the_singular():
     one = {"cgutils/checks.py": file_hash(env.REPO_ROOT / "cgutils" / "checks.py")}
     prov = {"gpu": "NVIDIA H200", "date": "2026-11-29T12:00:00+00:00"}
     assert "the library file it ran is unchanged" in banner(prov, "abc", one)["text/plain"]
+
+
+def test_record_changed_replays_a_current_cell_and_runs_only_the_planned_ones(gpu, shell, monkeypatch, capsys):
+    """`record --changed`: a cell whose recording is current is replayed (its imports run, its --save restored);
+    a planned cell runs for real. Before the plan existed every recorded cell ran again on the GPU."""
+    run_cell(shell, " demo --save v", BODY)
+    run_cell(shell, " other", "print('first run')")
+    capsys.readouterr()
+    for name in ("v", "pd"):
+        shell.user_ns.pop(name)
+    shown = []
+    monkeypatch.setattr("IPython.display.publish_display_data", lambda data, metadata=None: shown.append(data))
+    monkeypatch.setenv("CGUTILS_RECORD_LIVE", "01_demo/other")
+    ran = []
+    real_execute = recorded._execute
+    monkeypatch.setattr(recorded, "_execute", lambda sh, body: (ran.append(body), real_execute(sh, body)))
+    run_cell(shell, " demo --save v", BODY)  # not in the plan: replayed, its body not run
+    assert ran == [] and "measured 2" in capsys.readouterr().out
+    assert "NVIDIA H200" in str(shown[0]) and "pd" in shell.user_ns and list(shell.user_ns["v"].a) == [1, 2]
+    run_cell(shell, " other", "print('second run')")  # in the plan: runs, and is recorded again
+    assert len(ran) == 1 and "second run" in capsys.readouterr().out
+    assert "second run" in str(gpu.load_cell("01_demo", "other")["outputs"])
