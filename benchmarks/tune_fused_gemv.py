@@ -49,7 +49,6 @@ if "--smoke" in sys.argv:
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -60,7 +59,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cgutils.bench.decode as df  # noqa: E402  (decode_floor.py's measurement; after TRITON_INTERPRET is set)
-from cgutils.env import provenance  # noqa: E402
 from cgutils.errors import InputError  # noqa: E402
 from cgutils.generation import fused_step  # noqa: E402
 from cgutils.generation.fused_kernels import KERNELS  # noqa: E402
@@ -572,12 +570,7 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         sys.exit("tune_fused_gemv.py needs a CUDA GPU (or --smoke)")
     procs = start_workers(args) if args.jobs else []
-    prov = provenance()
-    for dist in ("triton", "transformers"):
-        try:
-            prov[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            prov[dist] = None
+    prov = df.versioned_provenance()
     est = estimate_s(args)
     result: dict = {"provenance": prov, "smoke": s,
                     "args": {k: str(v) for k, v in vars(args).items()}, "estimate_s": est,

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import InputError
 from ..generation import StaticKVState, hf_generate
+from ..timing import device_sync
 
 ROUTES = ("plain", "fused", "fused_pdl", "hf")
 PAIRS = (("fused", "plain"), ("fused_pdl", "plain"), ("fused_pdl", "fused"), ("plain", "hf"), ("fused", "hf"),
@@ -95,14 +96,9 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}\n" + "".join(tb[-3:])[-1500:]
 
 
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
 def elapsed_ms(fn, cuda: bool) -> float:
     """Wall time of ``fn()`` on the GPU (CUDA events on the current stream) or the host (smoke)."""
-    sync(cuda)
+    device_sync("cuda" if cuda else "cpu")
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -138,6 +134,22 @@ def load_tuning(text: str | None) -> dict:
     if isinstance(data, dict) and "merged_tuning" in data:
         data = data["merged_tuning"]
     return _fused().check_tuning(data)
+
+
+def versioned_provenance() -> dict:
+    """:func:`cgutils.env.provenance` plus the installed ``triton`` and ``transformers`` versions (``None`` where
+    one is not installed): the fused route's kernels depend on both."""
+    import importlib.metadata
+
+    from ..env import provenance
+
+    prov = provenance()
+    for dist in ("triton", "transformers"):
+        try:
+            prov[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            prov[dist] = None
+    return prov
 
 
 def build_model(smoke: bool):
@@ -335,7 +347,7 @@ def run_batch(model, batch: int, args: DecodeFloorConfig, cuda: bool, bw: dict |
             else:
                 routes[name] = HFRoute(model, prompt, args.new_tokens, cuda)
             rec["tokens"] = routes[name].tokens()  # first generation: Triton/Inductor compile for the fused/hf routes
-            sync(cuda)
+            device_sync("cuda" if cuda else "cpu")
             rec["setup_s"] = time.perf_counter() - t
             routes[name].ms_per_step()  # one untimed round after the setup
         except Exception as exc:  # keep the other routes
@@ -402,21 +414,13 @@ def decode_floor_run(config: DecodeFloorConfig | None = None, model=None) -> dic
         InputError: a bad config (:meth:`DecodeFloorConfig.check`).
         NoCudaError: without a CUDA device (unless ``config.smoke``).
     """
-    import importlib.metadata
-
     from ..checks import require_cuda
-    from ..env import provenance
 
     cfg = (config or DecodeFloorConfig()).check()
     cuda = not cfg.smoke
     if cuda:
         require_cuda("decode_floor_run", "`python -m cgutils bench generation` shows the recorded tables instead")
-    prov = provenance()
-    for dist in ("triton", "transformers"):
-        try:
-            prov[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            prov[dist] = None
+    prov = versioned_provenance()
     result: dict = {"provenance": prov, "smoke": cfg.smoke,
                     "config": {"batches": list(cfg.batches), "routes": list(cfg.routes), "trials": cfg.trials,
                                "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens},
