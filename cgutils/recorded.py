@@ -465,21 +465,23 @@ def code_cells(notebook_path: Path | str) -> list[_CodeCell]:
 
 def cells_to_run(notebook_path: Path | str, changed: set[str]) -> list[str]:
     """The keys of the recorded cells to run for real: ``changed`` (stale or missing recordings) and every
-    earlier recorded cell whose body binds a name one of them reads and no plain cell before it binds (and
+    earlier recorded cell whose body binds a name one of them, or any plain cell, reads and no plain cell before it binds (and
     that its ``--save`` and top-level imports do not restore), transitively; in notebook order.
 
     Args:
         notebook_path: the ``.ipynb`` file.
         changed: keys of its recorded cells whose recording is not current.
     """
+    if not changed:
+        return []
     cells = code_cells(notebook_path)
     live = set(changed)
     grew = True
     while grew:
         grew = False
         for i, cell in enumerate(cells):
-            if cell.key is None or cell.key not in live:
-                continue
+            if cell.key is not None and cell.key not in live:
+                continue  # replayed; a plain cell runs whenever the notebook does (its live-mode branch too)
             for name in cell.reads:
                 if any(c.key is None and name in c.binds for c in cells[:i]):
                     continue  # a plain cell binds it too, as recorded mode relies on (an import, a helper)

@@ -61,7 +61,15 @@ def test_runs_live_without_a_plan_and_by_the_plan(monkeypatch):
 
 def test_bad_notebooks_are_named(tmp_path):
     with pytest.raises(RecordingError, match="cannot read notebook"):
-        cells_to_run(tmp_path / "missing.ipynb", set())
+        cells_to_run(tmp_path / "missing.ipynb", {"a"})
     bad = notebook(tmp_path, "%%recorded\nx = 1")
     with pytest.raises(InputError):
-        cells_to_run(bad, set())
+        cells_to_run(bad, {"a"})
+
+
+def test_a_plain_cell_pulls_too_when_the_notebook_runs(tmp_path):
+    """A plain cell's live-mode branch may read a recorded body's name (notebook 10's Solutions did: the first
+    `record --changed` run failed there with a NameError)."""
+    nb = notebook(tmp_path, SETUP, MODEL, "%%recorded later\nprint(1)",
+                  "if live:\n    print(model)\nelse:\n    print(table)")
+    assert cells_to_run(nb, {"later"}) == ["model", "later"]
