@@ -23,6 +23,7 @@ import base64
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -267,6 +268,7 @@ def _run_and_record(shell, c: _Cell) -> None:
     """Run ``c`` for real, save its ``--save`` variables to the live store and, when recording, the cell."""
     failure: BaseException | None = None
     # this module's hooks (the stdout tee, the display hook) run inside the cell: not the cell's library code
+    started = time.perf_counter()
     with _captured_outputs(shell) as events, code_used(ignore=[__file__]) as library:
         try:
             _execute(shell, c.body)
@@ -288,7 +290,7 @@ def _run_and_record(shell, c: _Cell) -> None:
     if recording_enabled():
         store.save_cell({"notebook": c.notebook, "key": c.key, "source_hash": c.digest,
                          "source": c.body, "library": library, "provenance": prov, "outputs": events,
-                         "saved": saved,
+                         "saved": saved, "seconds": round(time.perf_counter() - started, 2),  # to plan GPU time
                          **({"error": {"ename": type(failure).__name__, "evalue": str(failure)[:4000]}}
                             if failure is not None else {})})
     if failure is not None:

@@ -64,6 +64,7 @@ def test_live_cell_runs_and_is_recorded(gpu, shell, capsys):
     assert rec["outputs"][0] == {"type": "stream", "name": "stdout", "text": "measured 2\n"}
     assert rec["outputs"][1]["type"] == "display" and rec["outputs"][1]["data"]["text/plain"] == "3"
     assert gpu.load_value("cells/01_demo/demo.v").a.tolist() == [1, 2]
+    assert 0 <= rec["seconds"] < 60  # the cell's run time, to plan a recording's GPU time
 
 
 def test_recorded_cell_replays_under_a_banner(gpu, shell, monkeypatch, capsys):
