@@ -421,6 +421,8 @@ def _names(source: str) -> tuple[frozenset[str], frozenset[str]]:
             binds.update((a.asname or a.name).split(".")[0] for a in node.names)
         elif isinstance(node, ast.arg):
             binds.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            binds.add(node.name)
     return frozenset(binds), frozenset(reads - binds)
 
 

@@ -17,7 +17,7 @@ def notebook(tmp_path, *sources):
 
 
 SETUP = "%load_ext cgutils.recorded\nimport numpy as np\nfrom helpers import build"
-MODEL = "%%recorded model --save table\nimport torch\nmodel = build()\ntable = np.ones(3)\ndef step(x):\n    return x"
+MODEL = "%%recorded model --save table\nimport torch\nmodel = build()\nwarned = 1\ntable = np.ones(3)\ndef step(x):\n    return x"
 
 
 def test_a_changed_cell_pulls_the_earlier_cell_whose_body_binds_what_it_reads(tmp_path):
@@ -42,7 +42,8 @@ def test_pulls_are_transitive_and_in_notebook_order(tmp_path):
 
 
 def test_names_bound_inside_the_cell_or_as_arguments_do_not_pull(tmp_path):
-    nb = notebook(tmp_path, SETUP, MODEL, "%%recorded own\nmodel = 3\nf = lambda step: step + model\nprint(f(1))")
+    nb = notebook(tmp_path, SETUP, MODEL, "%%recorded own\nmodel = 3\nf = lambda step: step + model\nprint(f(1))\n"
+                  "try:\n    pass\nexcept ValueError as warned:\n    print(warned)")
     assert cells_to_run(nb, {"own"}) == ["own"]
 
 
