@@ -372,17 +372,12 @@ def _recorded_cells(name: str) -> int | None:
 # --- record --changed: which recorded cells run on the GPU -----------------------------------------------
 # Re-record only what changed: which ``%%recorded`` cells of a notebook must run on the GPU.
 #
-# ``python -m cgutils record --changed`` runs each notebook with the cells whose recording is current
-# *replayed* (their outputs shown and their ``--save`` variables restored, as in recorded mode) and runs the
-# rest for real. A cell that runs for real may read a name that only an earlier recorded cell's body binds
-# (a model, a captured graph): a replayed cell restores its ``--save`` variables and nothing else, so such an
-# earlier cell runs for real too (and so on, transitively). Names are found statically (:mod:`ast`); a name
-# bound some other way (``globals()``, ``exec``) still fails at run time with a ``NameError``, and a full
-# ``record`` of that notebook is the fallback.
-#
-# Why: a notebook's recording takes up to 7 minutes on the GPU, mostly in cells that did not change, and
-# device time is scarce. Each cell's recording carries its own provenance (commit, date), so a notebook
-# recorded this way shows, cell by cell, when each output was produced.
+# ``python -m cgutils record --changed`` runs each notebook with the cells whose recording is current *replayed*
+# (outputs shown, ``--save`` variables restored, top-level imports run) and the rest for real. A cell that runs
+# for real may read a name only an earlier recorded body binds (a model, a graph): that cell runs for real too,
+# transitively. Names are found with :mod:`ast`; one bound another way fails with a ``NameError``, and a full
+# ``record`` of that notebook is the fallback. Why: a notebook's recording takes up to 7 minutes of scarce GPU
+# time, mostly in unchanged cells; each cell's recording keeps its own provenance (commit, date).
 
 PLAN_ENV = "CGUTILS_RECORD_LIVE"  # "notebook/key,notebook/key,...": the cells a --changed run runs for real
 
