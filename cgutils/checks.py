@@ -40,6 +40,17 @@ def check_int(name: str, value: Any, *, minimum: int = 0, why: str = "") -> int:
     return value
 
 
+def check_no_arg_callable(what: str, fn: Any) -> Any:
+    """Return ``fn`` if it is callable; ``what`` names the caller (or the argument) in the error.
+
+    Raises:
+        InputError: e.g. ``measure needs a callable with no arguments, e.g. lambda: model(x); got Tensor``.
+    """
+    if not callable(fn):
+        raise InputError(f"{what} needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
+    return fn
+
+
 def check_index(name: str, value: Any, count: int, what: str) -> int:
     """Return ``value`` if it indexes one of ``count`` items (``0..count-1``, or negative from the end).
 

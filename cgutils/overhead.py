@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .capture import capture_graph
-from .checks import check_int, require_cuda
+from .checks import check_int, check_no_arg_callable, require_cuda
 from .errors import InputError
 from .timing import measure, note_profiler_session
 
@@ -436,8 +436,7 @@ def profile(fn: Callable[[], Any], path: str | Path, *, warmup: int = 2, active:
     """
     from torch.profiler import ProfilerActivity, schedule
 
-    if not callable(fn):
-        raise InputError(f"profile needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
+    check_no_arg_callable("profile", fn)
     check_int("warmup", warmup, minimum=0, why="traced calls discarded before the recorded ones")
     check_int("active", active, minimum=1, why="recorded calls")
     if not isinstance(record_shapes, bool):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import json
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ from .store import (
     CellStatus,
     ResultsStore,
     check_recordings,
+    code_cell_sources,
     current_store,
     live_store,
     parse_magic_line,
@@ -443,21 +443,12 @@ def code_cells(notebook_path: Path | str) -> list[_CodeCell]:
         RecordingError: the file is missing or not JSON.
         InputError: a ``%%recorded`` line does not parse.
     """
-    try:
-        nb = json.loads(Path(notebook_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise RecordingError(f"cannot read notebook {notebook_path}: {exc}") from exc
     cells = []
-    for c in nb.get("cells", []):
-        if c.get("cell_type") != "code":
-            continue
-        src = "".join(c.get("source", [])) if isinstance(c.get("source"), list) else c.get("source", "")
-        first, _, body = src.partition("\n")
+    for line, src in code_cell_sources(notebook_path):
         key, saves = None, frozenset()
-        if first.startswith(MAGIC):
-            args = parse_magic_line(first[len(MAGIC):])
+        if line is not None:
+            args = parse_magic_line(line)
             key, saves = args.key, frozenset(item.partition(":")[0] for item in args.save)
-            src = body
         cells.append(_CodeCell(key, saves, *_names(src), _imported(src) if key else frozenset()))
     return cells
 

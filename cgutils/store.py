@@ -339,6 +339,27 @@ class CellStatus:
     detail: str = ""
 
 
+def code_cell_sources(notebook_path: Path | str) -> list[tuple[str | None, str]]:
+    """``(line, code)`` of each code cell in a notebook file, in order: ``line`` is the text after
+    ``%%recorded`` on a recorded cell's first line (``None`` on a plain cell), ``code`` the source below it.
+
+    Raises:
+        RecordingError: the file is missing or not JSON.
+    """
+    try:
+        nb = json.loads(Path(notebook_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RecordingError(f"cannot read notebook {notebook_path}: {exc}") from exc
+    out = []
+    for c in nb.get("cells", []):
+        if c.get("cell_type") != "code":
+            continue
+        src = "".join(c.get("source", [])) if isinstance(c.get("source"), list) else c.get("source", "")
+        first, _, body = src.partition("\n")
+        out.append((first[len(MAGIC):], body) if first.startswith(MAGIC) else (None, src))
+    return out
+
+
 def recorded_cells(notebook_path: Path | str) -> list[tuple[str, str, str]]:
     """``(key, line, body)`` of each ``%%recorded`` cell in a notebook file.
 
@@ -346,17 +367,8 @@ def recorded_cells(notebook_path: Path | str) -> list[tuple[str, str, str]]:
         RecordingError: the file is missing or not JSON.
         InputError: a ``%%recorded`` line does not parse.
     """
-    nb = _read_json(Path(notebook_path))
-    out = []
-    for c in nb.get("cells", []):
-        if c.get("cell_type") != "code":
-            continue
-        src = "".join(c.get("source", [])) if isinstance(c.get("source"), list) else c.get("source", "")
-        first, _, body = src.partition("\n")
-        if first.startswith(MAGIC):
-            line = first[len(MAGIC):]
-            out.append((parse_magic_line(line).key, line, body))
-    return out
+    return [(parse_magic_line(line).key, line, body)
+            for line, body in code_cell_sources(notebook_path) if line is not None]
 
 
 def _library_status(notebook: str, key: str, rec: dict) -> CellStatus:

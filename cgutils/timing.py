@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import check_int, require_cuda
+from .checks import check_int, check_no_arg_callable, require_cuda
 from .errors import InputError
 
 
@@ -62,11 +62,12 @@ class TimingAfterProfilerWarning(UserWarning):
     (``benchmarks/profiler_aftereffect.py``, ``results/nvidia-h200/profiler_aftereffect``, torch 2.11). Eager
     forwards and small replays read slower; large replays, bound by the GPU, do not.
     :func:`cgutils.profiler_session` (what cgutils' own sessions use) tears CUPTI down after the session, so only
-    its ``teardown=False`` sessions make a later timing warn.
+    its ``teardown=False`` sessions make a later timing warn. A plain ``torch.profiler.profile`` session of the
+    caller's own is not seen (torch offers no hook to count them): time first, profile last.
     """
 
 
-_profiler_sessions = 0  # cgutils' own torch.profiler sessions so far in this process
+_profiler_sessions = 0  # cgutils.profiler_session(teardown=False) sessions so far: each left CUPTI attached
 _after_profiler_warned = False
 
 
@@ -164,8 +165,7 @@ def measure(fn: Callable[[], Any], *, warmup: int = 10, iters: int = 100,
     Warns:
         TimingAfterProfilerWarning: once per process, on CUDA, after a profiler session that left CUPTI attached.
     """
-    if not callable(fn):
-        raise InputError(f"measure needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
+    check_no_arg_callable("measure", fn)
     check_int("warmup", warmup, minimum=0, why="untimed calls before timing starts")
     check_int("iters", iters, minimum=1, why="timed calls")
     dev = _timing_device(device, "measure")
@@ -215,8 +215,7 @@ def host_us_per_call(fn: Callable[[], Any], *, calls: int = 200, warmup: int = 1
     Warns:
         TimingAfterProfilerWarning: once per process, after a profiler session that left CUPTI attached.
     """
-    if not callable(fn):
-        raise InputError(f"host_us_per_call needs a callable with no arguments, e.g. lambda: model(x); got {type(fn).__name__}")
+    check_no_arg_callable("host_us_per_call", fn)
     check_int("calls", calls, minimum=1, why="timed calls")
     check_int("warmup", warmup, minimum=0, why="untimed calls first")
     clocks = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -292,9 +291,7 @@ def interleaved_trials(fns: Mapping[str, Callable[[], Any]], *, trials: int = 7,
     for name, fn in fns.items():
         if not isinstance(name, str):
             raise InputError(f"variant names must be strings (they label the rows), got {name!r}")
-        if not callable(fn):
-            raise InputError(f"variant {name!r} must be a callable with no arguments, e.g. lambda: model(x); "
-                             f"got {type(fn).__name__}")
+        check_no_arg_callable(f"variant {name!r}", fn)
     check_int("trials", trials, minimum=1, why="each trial times every variant once")
     check_int("iters", iters, minimum=1, why="timed calls per variant per trial")
     check_int("warmup", warmup, minimum=0, why="untimed calls per variant before the first trial")

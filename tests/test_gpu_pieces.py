@@ -252,3 +252,27 @@ def test_auto_break_runners_replay_after_later_captures_in_a_process_of_their_ow
     script = pathlib.Path(__file__).parent / "gpu_cases" / "auto_breaks_workspace.py"
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "REPLAYS OK" in run.stdout, f"rc {run.returncode}\n{run.stdout}\n{run.stderr[-4000:]}"
+
+
+def test_step_marks_time_each_piece_and_break_and_leave_the_runner_as_it_was():
+    model = _model()
+    runner = cg.GraphRunner(model, breaks="auto")
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        expected = model(x)
+    runner(x)
+    graph_before = runner._entry(-1).graph
+    with runner.step_marks() as marks:
+        for _ in range(3):
+            got = runner(x)
+    table = marks.table()
+    assert list(table.kind[:4]) == ["graph", "eager", "graph", "between calls"] and set(table.call) == {0, 1}
+    assert (table.gpu_us >= 0).all() and (table.host_us > 0).all()
+    assert runner._entry(-1).graph is graph_before and cg.max_rel_error(got, expected) <= 1e-5
+    whole = cg.GraphRunner(lambda t: t * 2 + 1)
+    whole(x)
+    kept = whole._entry(-1).graph
+    with whole.step_marks() as marks:
+        whole(x), whole(x)
+    assert list(marks.table().step) == ["piece 0", "to the next call"]
+    assert whole._entry(-1).graph is kept  # the whole graph is back, not the one-piece stand-in

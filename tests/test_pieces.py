@@ -466,3 +466,50 @@ def test_auto_breaks_drop_cublas_workspaces_between_the_throw_away_and_the_final
     assert (graph, out) == ("graph", "out")
     assert events == [("drop workspaces",), ("capture", ("throw-away", 0)), ("drop workspaces",),
                       ("capture", ("final", 0))]
+
+
+class _Ticking:
+    """Stands in for torch.cuda.Event: 'GPU time' is the order in which events were recorded, 1 ms apart."""
+    clock = 0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        _Ticking.clock += 1
+        self.at = _Ticking.clock
+
+    def elapsed_time(self, other):
+        return float(other.at - self.at)
+
+
+def test_marked_replay_cuts_each_call_into_steps_and_restores_replay(monkeypatch):
+    from cgutils.capture.piecewise import PiecewiseGraph
+
+    monkeypatch.setattr(torch.cuda, "Event", _Ticking)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    ran = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            ran.append(self.name)
+
+    pg = PiecewiseGraph(pieces=[Graph("a")])
+    with pg.marked() as marks:
+        with pytest.raises(cg.InputError, match="already being marked"):
+            with pg.marked():
+                pass
+        pg.replay()
+        with pytest.raises(cg.InputError, match="at least two marked"):
+            marks.table()
+        pg.replay()
+        pg.replay()
+    table = marks.table()
+    assert list(table.step) == ["piece 0", "to the next call"] * 2
+    assert list(table.kind) == ["graph", "between calls"] * 2 and list(table.call) == [0, 0, 1, 1]
+    assert (table.gpu_us == 1000.0).all() and (table.host_us >= 0).all()
+    pg.replay()  # outside the block: no marks
+    assert ran == ["a"] * 4 and len(marks.table()) == 4

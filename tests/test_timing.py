@@ -151,7 +151,7 @@ def test_interleaved_trials_reject_bad_arguments_before_calling_anything():
         cg.interleaved_trials({}, device="cpu")
     with pytest.raises(cg.InputError, match="at least one variant"):
         cg.interleaved_trials([fn], device="cpu")
-    with pytest.raises(cg.InputError, match="variant 'x' must be a callable"):
+    with pytest.raises(cg.InputError, match="variant 'x' needs a callable"):
         cg.interleaved_trials({"x": 3}, device="cpu")
     with pytest.raises(cg.InputError, match="variant names must be strings"):
         cg.interleaved_trials({1: fn}, device="cpu")

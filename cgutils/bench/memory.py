@@ -1,4 +1,4 @@
-"""Memory per captured graph (notebook 03): one pool per shape, one shared pool, buckets; and what
+"""Memory per captured graph (notebook 03b): one pool per shape, one shared pool, buckets; and what
 validation at capture costs."""
 
 from __future__ import annotations

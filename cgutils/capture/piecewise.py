@@ -46,6 +46,7 @@ from .breakplan import BreakPlan, MethodHook, require_method, submodule_method
 from .control import inside_body
 from .ending import end_abandoned_capture, end_failed_begin
 from .inspect import NODE_COLUMNS, node_table
+from .marks import MarkedRuns, StepMarks, marking
 from .nest import same_value, tree_leaves, tree_map
 from .poolscope import capture_pool, fresh_cublas_workspaces
 
@@ -141,6 +142,28 @@ class PiecewiseGraph:
             self._runs = self._segments()
         for run in self._runs:
             run()
+
+    @contextlib.contextmanager
+    def marked(self):
+        """While in the block, each :meth:`replay` records a CUDA event and the host clock before each step
+        (piece or break) and once after its last; yields the :class:`StepMarks` that collects them. Outside
+        the block, replay runs as before (the marks cost an event record per step, a few µs of host time).
+
+        Raises:
+            InputError: on entry, when already marked.
+        """
+        if isinstance(self._runs, MarkedRuns):
+            raise InputError("this graph's replays are already being marked; leave the other block first")
+        steps = self.table()
+        marks = StepMarks(list(steps.name), list(steps.kind))
+        saved = self._runs
+        runs = self._segments()
+        self._runs = MarkedRuns([marking(marks, k, run) for k, run in enumerate(runs)]
+                                 + [lambda: marks.mark(len(runs))])
+        try:
+            yield marks
+        finally:
+            self._runs = saved
 
     def table(self) -> pd.DataFrame:
         """The pieces and breaks in replay order: ``step``, ``kind`` (``graph`` / ``eager``), ``name``

@@ -368,7 +368,7 @@ def _warn_replaced(runner: GraphRunner, names: list[str], dropped: int, seconds:
 def _warn_graph_count(runner: GraphRunner, mib: float) -> None:
     warn_caller(f"{runner!r}: {GRAPH_COUNT_WARNING + 1} graphs captured, one per input shape, holding {mib:.1f} MiB "
                 f"(pool growth and static inputs) so far; each new shape costs a capture and more memory. Pad to a "
-                f"few sizes with GraphRunner(..., buckets={{dim: sizes}}) (notebook 03).")
+                f"few sizes with GraphRunner(..., buckets={{dim: sizes}}) (notebook 03b).")
 
 
 def _graph_key(named: list, targets: list) -> tuple:

@@ -4,6 +4,7 @@ and ``_backend``), apart from the call path."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..checks import check_index
@@ -51,6 +52,29 @@ class GraphViews:
         entry = self._entry(graph)
         with self._lock:
             return _pieces(entry).segment_times(iters)
+
+    @contextlib.contextmanager
+    def step_marks(self, graph: int = -1):
+        """While in the block, each call that replays one graph (default: the latest) records a CUDA event and the
+        host clock before each of its pieces and breaks and after the last; yields the
+        :class:`~cgutils.capture.piecewise.StepMarks`, whose ``table()`` gives µs of GPU time and host time per
+        step, per call, and between calls (the runner's own work). A whole graph is one step. No profiler, so no
+        profiler overhead; each mark costs an event record. Restored on exit, also after an error.
+
+        Raises:
+            InputError: nothing captured yet, ``graph`` out of range, or that graph already marked.
+        """
+        entry = self._entry(graph)
+        with self._lock:
+            original = entry.graph
+            pieces = _pieces(entry)
+            entry.graph = pieces  # a whole graph becomes one piece: replayed the same way, now with marks
+        try:
+            with pieces.marked() as marks:
+                yield marks
+        finally:
+            with self._lock:
+                entry.graph = original
 
 
 def _pieces(entry: Any) -> PiecewiseGraph:
