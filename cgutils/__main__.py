@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -191,6 +192,26 @@ def _execute_notebooks(stems: list[str] | None, timeout: int, desc: str) -> int:
     return 1 if failed else 0
 
 
+def cmd_nsys(args: argparse.Namespace) -> int:
+    from .analysis.nsys import nsys_profile, nsys_stats, per_call
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise InputError("nsys: give the command to profile after --, e.g. "
+                         "python -m cgutils nsys --out build/nsys/run -- python my_script.py")
+    report = nsys_profile(command, args.out, nsys=args.nsys, capture_range=not args.whole_run)
+    stats = nsys_stats(report, nsys=args.nsys)
+    prefix = report.with_suffix("")
+    # where the numbers came from: this process's GPU and versions are those the command ran with
+    meta = {"command": command, "whole_run": args.whole_run, "provenance": env.provenance()}
+    Path(f"{prefix}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"report: {report}\nstats: " + ", ".join(f"{prefix}_{k}.csv" for k in stats))
+    if args.range:
+        for key, value in per_call(stats, args.range).items():
+            print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     import pandas as pd
 
@@ -285,6 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
     f.add_argument("--timeout", type=_at_least(1, int), default=1800, help="seconds per cell (default 1800)")
     f.set_defaults(func=cmd_figures)
+    n = sub.add_parser("nsys", help="profile a command with Nsight Systems (CUDA graph nodes traced), write its stats",
+                       description="Run a command under nsys profile -t cuda,nvtx --cuda-graph-trace=node (CPU sampling "
+                       "off), by default recording only between torch.cuda.profiler.start() and stop() in it, then "
+                       "write nsys stats CSVs (nvtx_sum, cuda_gpu_kern_sum, cuda_api_sum) beside the report.")
+    n.add_argument("--out", default="build/nsys/report", help="report path without suffix (default build/nsys/report)")
+    n.add_argument("--nsys", help="path of the nsys executable (default: $CGUTILS_NSYS, PATH, usual install folders)")
+    n.add_argument("--whole-run", action="store_true", help="record the whole run, not only profiler start()..stop()")
+    n.add_argument("--range", help="also print what one call inside this NVTX range did (kernels, runtime calls)")
+    n.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- python my_script.py")
+    n.set_defaults(func=cmd_nsys)
     t = sub.add_parser("trace", help="summarise a torch.profiler Chrome trace (.json or .json.gz)")
     t.add_argument("file", help="a torch.profiler Chrome trace (.json or .json.gz), e.g. from cgutils.profile")
     t.add_argument("--range", help="also break down the GPU work launched inside this annotation")

@@ -1,0 +1,178 @@
+"""Nsight Systems from Python: find ``nsys``, profile a command with the flags that suit CUDA graphs, and read
+``nsys stats`` reports back as DataFrames (notebook 07 puts them beside torch.profiler's view of the same calls).
+
+The flags are ``-t cuda,nvtx --sample=none --cpuctxsw=none --cuda-graph-trace=node``: CUDA runtime calls, kernels
+and NVTX ranges only, with each kernel node of a replayed graph traced as its own kernel (Nsight Systems User Guide,
+``--cuda-graph-trace``; its other value, ``graph``, shows one block per graph launch). Without the two ``--sample``
+and ``--cpuctxsw`` flags the raw report of a short BERT run grew to gigabytes (measured on the H200 host). With
+``capture_range=True`` only the part of the run between ``torch.cuda.profiler.start()`` and ``stop()`` is
+recorded, so warm-up and capture stay out of the counts.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from ..errors import CgutilsError, DependencyError, InputError
+
+NSYS_FLAGS = ("-t", "cuda,nvtx", "--sample=none", "--cpuctxsw=none", "--cuda-graph-trace=node")
+CAPTURE_RANGE_FLAGS = ("--capture-range=cudaProfilerApi", "--capture-range-end=stop")
+REPORTS = ("nvtx_sum", "cuda_gpu_kern_sum", "cuda_api_sum")
+# where installers put nsys when it is not on PATH: Nsight Systems' own, the CUDA toolkit's, Nsight Compute's copy
+_SEARCH = ("/opt/nvidia/nsight-systems*/bin/nsys", "/opt/nvidia/nsight-systems*/*/bin/nsys",
+           "/usr/local/cuda*/bin/nsys", "/usr/local/cuda*/nsight-systems*/bin/nsys",
+           "/opt/nvidia/nsight-compute*/*/host/*/nsys", "/usr/local/cuda*/nsight-compute*/host/*/nsys")
+
+
+def find_nsys(nsys: str | os.PathLike | None = None) -> Path:
+    """The ``nsys`` executable: ``nsys`` if given, else ``$CGUTILS_NSYS``, else ``nsys`` on ``PATH``, else the usual
+    install folders (Nsight Systems, the CUDA toolkit, Nsight Compute's bundled copy).
+
+    Raises:
+        InputError: ``nsys`` (or ``$CGUTILS_NSYS``) names no executable file.
+        DependencyError: none found.
+    """
+    given = nsys if nsys is not None else os.environ.get("CGUTILS_NSYS") or None
+    if given is not None:
+        path = Path(given)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise InputError(f"{str(path)!r} is not an executable nsys; pass the path of Nsight Systems' nsys "
+                             f"(e.g. /opt/nvidia/nsight-systems/<version>/bin/nsys)")
+        return path
+    found = shutil.which("nsys")
+    if found:
+        return Path(found)
+    for pattern in _SEARCH:
+        for hit in sorted(glob.glob(pattern), reverse=True):  # newest version first
+            if os.access(hit, os.X_OK):
+                return Path(hit)
+    raise DependencyError("Nsight Systems' nsys was not found on PATH or in /opt/nvidia and /usr/local/cuda*: "
+                          "install Nsight Systems (developer.nvidia.com/nsight-systems), or pass its path "
+                          "(--nsys PATH, or CGUTILS_NSYS=PATH)")
+
+
+def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-12:])
+        hint = (" If it names libdw.so.1 or another missing library, install elfutils' libdw1 and libelf1 or put "
+                "them on LD_LIBRARY_PATH." if "lib" in tail and "cannot open" in tail else "")
+        raise CgutilsError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}{hint}")
+    return proc
+
+
+def nsys_profile(command: Sequence[str], out: str | os.PathLike, *, nsys: str | os.PathLike | None = None,
+                 capture_range: bool = True, extra: Sequence[str] = ()) -> Path:
+    """Run ``command`` under ``nsys profile`` with :data:`NSYS_FLAGS` and write ``<out>.nsys-rep``.
+
+    Args:
+        command: the program and its arguments, e.g. ``["python", "script.py"]``.
+        out: the report's path without its suffix (folders are made).
+        capture_range: record only between ``torch.cuda.profiler.start()`` and ``stop()`` in the program.
+        extra: more ``nsys profile`` options.
+
+    Returns:
+        The ``.nsys-rep`` path.
+
+    Raises:
+        InputError: ``command`` is empty. DependencyError: no nsys. CgutilsError: nsys or the program failed
+        (its last lines of output are in the message), or no report was written.
+    """
+    command = [str(c) for c in command]
+    if not command:
+        raise InputError("nsys_profile needs a command to profile, e.g. ['python', 'my_script.py']")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(find_nsys(nsys)), "profile", *NSYS_FLAGS, *(CAPTURE_RANGE_FLAGS if capture_range else ()),
+           *extra, "--force-overwrite=true", "-o", str(out), *command]
+    _run(cmd, "nsys profile")
+    report = out.with_name(out.name + ".nsys-rep")
+    if not report.exists():
+        why = (" With capture_range=True the program must call torch.cuda.profiler.start() and stop()."
+               if capture_range else "")
+        raise CgutilsError(f"nsys profile wrote no {report}.{why}")
+    return report
+
+
+def nsys_stats(report: str | os.PathLike, *, reports: Sequence[str] = REPORTS,
+               nsys: str | os.PathLike | None = None) -> dict[str, pd.DataFrame]:
+    """Run ``nsys stats`` on a report and return ``{report name: DataFrame}``; the CSVs are written next to the
+    report as ``<report stem>_<name>.csv`` (read them back later with :func:`read_nsys_csvs`, no nsys needed).
+
+    Raises:
+        InputError: ``report`` does not exist. DependencyError: no nsys. CgutilsError: nsys stats failed.
+    """
+    report = Path(report)
+    if not report.exists():
+        raise InputError(f"no Nsight Systems report at {report}; make one with cgutils' nsys_profile or "
+                         f"`python -m cgutils nsys -- python your_script.py`")
+    prefix = report.with_suffix("")
+    _run([str(find_nsys(nsys)), "stats", "-r", ",".join(reports), "--format", "csv", "--force-export=true",
+          "--force-overwrite=true", "-o", str(prefix), str(report)], "nsys stats")
+    return read_nsys_csvs(prefix, reports)
+
+
+def read_nsys_csvs(prefix: str | os.PathLike, reports: Sequence[str] = REPORTS) -> dict[str, pd.DataFrame]:
+    """The CSVs ``nsys stats --format csv -o <prefix>`` wrote, as ``{report name: DataFrame}``; a report that
+    wrote no CSV (no data of that kind) is an empty frame.
+
+    Raises:
+        InputError: none of the reports' CSVs exists.
+    """
+    prefix = Path(prefix)
+    out, found = {}, False
+    for name in reports:
+        hits = sorted(prefix.parent.glob(f"{glob.escape(prefix.name)}_{name}*.csv"))
+        found = found or bool(hits)
+        out[name] = pd.read_csv(hits[0]) if hits else pd.DataFrame()
+    if not found:
+        raise InputError(f"no nsys stats CSV at {prefix}_<report>.csv for {', '.join(reports)}; run nsys_stats "
+                         f"on the .nsys-rep first")
+    return out
+
+
+def _column(frame: pd.DataFrame, *names: str) -> str:
+    for name in names:
+        for col in frame.columns:
+            if col.strip().lower().startswith(name.lower()):
+                return col
+    raise InputError(f"an nsys stats table without a {names[0]!r} column (columns: {list(frame.columns)}); "
+                     f"this nsys version writes another layout")
+
+
+def per_call(stats: dict[str, pd.DataFrame], range_name: str) -> dict[str, float]:
+    """What one call did, from a capture-range report whose calls each ran inside one NVTX range ``range_name``:
+    ``calls`` (that range's instances), ``kernels`` (kernel instances per call), ``kernel_us`` (GPU µs of kernels
+    per call), ``range_us`` (the range's median host duration, µs), and per call, ``launch_kernel`` and
+    ``graph_launch`` (runtime calls ``cudaLaunchKernel*`` and ``cudaGraphLaunch*``).
+
+    Raises:
+        InputError: no NVTX range of that name (the message lists those there are).
+    """
+    nvtx = stats.get("nvtx_sum", pd.DataFrame())
+    names = nvtx[_column(nvtx, "Range", "Name")].astype(str).str.lstrip(":") if len(nvtx) else pd.Series([], dtype=str)
+    rows = nvtx[names == range_name]
+    if rows.empty:
+        raise InputError(f"no NVTX range {range_name!r} in the report; it has {sorted(set(names))[:20]}")
+    calls = int(rows[_column(nvtx, "Instances", "Count")].sum())
+    kern = stats.get("cuda_gpu_kern_sum", pd.DataFrame())
+    api = stats.get("cuda_api_sum", pd.DataFrame())
+
+    def api_calls(prefix: str) -> float:
+        if api.empty:
+            return 0.0
+        hit = api[api[_column(api, "Name")].astype(str).str.startswith(prefix)]
+        return float(hit[_column(api, "Num Calls", "Calls", "Count")].sum()) / calls
+
+    return {"calls": calls,
+            "kernels": float(kern[_column(kern, "Instances", "Count")].sum()) / calls if len(kern) else 0.0,
+            "kernel_us": float(kern[_column(kern, "Total Time")].sum()) / 1e3 / calls if len(kern) else 0.0,
+            "range_us": float(rows[_column(nvtx, "Med")].iloc[0]) / 1e3,
+            "launch_kernel": api_calls("cudaLaunchKernel"), "graph_launch": api_calls("cudaGraphLaunch")}
