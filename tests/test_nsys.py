@@ -97,3 +97,30 @@ def test_cli_profiles_and_prints_one_call(fake_nsys, tmp_path, capsys):
     assert "provenance" in json.loads(open(f"{out}.meta.json").read())
     assert main(["nsys", "--nsys", str(fake_nsys)]) == 1
     assert "give the command to profile after --" in capsys.readouterr().err
+
+
+def test_kernel_base_name_reads_both_demanglers_alike():
+    nsys_style = "void at::native::<unnamed>::vectorized_layer_norm_kernel<c10::Half, float, (bool)0>(int, T2, const T1 *)"
+    kineto_style = ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::Half, float, false>"
+                    "(int, float, c10::Half const*)")
+    assert ns.kernel_base_name(nsys_style) == ns.kernel_base_name(kineto_style) == "vectorized_layer_norm_kernel"
+    assert ns.kernel_base_name("nvjet_sm90_hsh_64x16_64x16_2x4_h_bz_bias_TNT") == "nvjet_sm90_hsh_64x16_64x16_2x4_h_bz_bias_TNT"
+    with pytest.raises(cg.InputError, match="positive int"):
+        ns.kernels_by_name({}, 0)
+
+
+def test_recorded_nsys_reports_count_the_kernels_the_recorded_traces_count():
+    """notebook 07: BERT-base's eager forward and replay, in Nsight Systems (results/nvidia-h200/nsys) and in
+    torch.profiler (results/nvidia-h200/traces), each kernel kind the same number of times per forward."""
+    from cgutils import env
+
+    root = env.REPO_ROOT / "results" / "nvidia-h200"
+    for label in ("eager", "replay"):
+        stats = ns.read_nsys_csvs(root / "nsys" / f"bert_{label}")
+        one = ns.per_call(stats, "forward")
+        trace = cg.load_trace(root / "traces" / f"bert_{label}.json.gz")
+        forwards = int(((trace.annotations.side == "cpu") & (trace.annotations.name == "forward")).sum())
+        from_trace = trace.kernels.name.map(ns.kernel_base_name).value_counts() / forwards
+        assert one["kernels"] == len(trace.kernels) / forwards
+        assert ns.kernels_by_name(stats, one["calls"]).sort_index().equals(from_trace.sort_index().rename("per_call"))
+        assert (one["graph_launch"], one["launch_kernel"] > 0) == ((1.0, False) if label == "replay" else (0.0, True))

@@ -176,3 +176,29 @@ def per_call(stats: dict[str, pd.DataFrame], range_name: str) -> dict[str, float
             "kernel_us": float(kern[_column(kern, "Total Time")].sum()) / 1e3 / calls if len(kern) else 0.0,
             "range_us": float(rows[_column(nvtx, "Med")].iloc[0]) / 1e3,
             "launch_kernel": api_calls("cudaLaunchKernel"), "graph_launch": api_calls("cudaGraphLaunch")}
+
+
+def kernel_base_name(name: str) -> str:
+    """A kernel's function name without namespaces, template arguments or parameters, so that one kernel reads
+    the same from Nsight Systems (``at::native::<unnamed>::vectorized_layer_norm_kernel<c10::Half, float,
+    (bool)0>(int, T2, ...)``) and from torch.profiler, whose demangler writes ``(anonymous namespace)`` and
+    ``false``: both give ``vectorized_layer_norm_kernel``."""
+    text = str(name).removeprefix("void ").replace("<unnamed>", "anon").replace("(anonymous namespace)", "anon")
+    cut = min((i for i in (text.find("<"), text.find("(")) if i >= 0), default=len(text))
+    return text[:cut].rsplit("::", 1)[-1].strip()
+
+
+def kernels_by_name(stats: dict[str, pd.DataFrame], calls: int) -> pd.Series:
+    """Kernel instances per call by :func:`kernel_base_name`, from a report's ``cuda_gpu_kern_sum``; ``calls``
+    is the number of calls the report holds (:func:`per_call`'s ``calls``).
+
+    Raises:
+        InputError: ``calls`` < 1.
+    """
+    if not isinstance(calls, int) or calls < 1:
+        raise InputError(f"calls must be a positive int (the calls the report holds), got {calls!r}")
+    kern = stats.get("cuda_gpu_kern_sum", pd.DataFrame())
+    if kern.empty:
+        return pd.Series(dtype=float, name="per_call")
+    names = kern[_column(kern, "Name")].map(kernel_base_name)
+    return (kern[_column(kern, "Instances", "Count")].groupby(names).sum() / calls).rename("per_call")
