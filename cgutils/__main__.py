@@ -292,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--markdown", action="store_true",
                    help="print markdown: the README's table (speedup), docs/pitfalls.md's (pitfalls), else each table")
     b.set_defaults(func=cmd_bench)
-    r = sub.add_parser("record", help="re-record notebooks on a GPU, or --check recordings")
+    r = sub.add_parser("record", help="re-record notebooks on a GPU, or --check recordings",
+                       description="On a CUDA GPU: execute notebooks live and refresh the recorded cells' outputs "
+                       "and saved frames under results/<gpu>/ (--changed: only the cells not current). Anywhere: "
+                       "--check says which recordings are stale, ran changed library code, or are missing.")
     r.add_argument("--check", action="store_true",
                    help="do not record: report cells that are stale, ran changed library code, or are missing")
     r.add_argument("--changed", action="store_true",
@@ -302,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
     r.add_argument("--timeout", type=_at_least(1, int), default=1800, help="seconds per cell (default 1800)")
     r.set_defaults(func=cmd_record)
-    f = sub.add_parser("figures", help="redraw figures/ from the committed recordings (no GPU needed)")
+    f = sub.add_parser("figures", help="redraw figures/ from the committed recordings (no GPU needed)",
+                       description="Execute the notebooks in recorded mode and let their plotting cells redraw "
+                       "figures/ from the committed data (a few minutes; no GPU needed).")
     f.add_argument("--notebooks", nargs="+", help="notebook stems (default: all)")
     f.add_argument("--timeout", type=_at_least(1, int), default=1800, help="seconds per cell (default 1800)")
     f.set_defaults(func=cmd_figures)
