@@ -60,6 +60,7 @@ def test_profile_then_stats_per_call(fake_nsys, tmp_path):
     one = ns.per_call(stats, "forward")
     assert one["calls"] == 20 and one["kernels"] == 172.0 and one["kernel_us"] == 750.0
     assert one["range_us"] == 990.0 and one["graph_launch"] == 1.0 and one["launch_kernel"] == 2.0
+    assert ns.api_calls_per_call(stats, 20).to_dict() == {"cudaGraphLaunch": 1.0, "cudaLaunchKernel": 2.0}
     again = ns.read_nsys_csvs(tmp_path / "out" / "bert")  # recorded mode: no nsys needed
     assert again["nvtx_sum"].equals(stats["nvtx_sum"])
     with pytest.raises(cg.InputError, match=r"no NVTX range 'decode'.*forward"):

@@ -264,15 +264,18 @@ def test_break_copies_into_static_buffers_and_rejects_a_new_shape():
     assert info.value.cause == "break_shape"
 
 
+class _Piece:
+    """Stands in for a captured graph: each replay appends its name to ``log``."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def replay(self):
+        self.log.append(self.name)
+
+
 def test_piecewise_graph_replays_in_order():
     calls = []
-
-    class Piece:
-        def __init__(self, name):
-            self.name = name
-
-        def replay(self):
-            calls.append(self.name)
 
     class Rec(nn.Module):
         def forward(self, x):
@@ -280,7 +283,7 @@ def test_piecewise_graph_replays_in_order():
             return x
 
     x = torch.ones(1)
-    graph = PiecewiseGraph([Piece("p0"), None, Piece("p2")],
+    graph = PiecewiseGraph([_Piece("p0", calls), None, _Piece("p2", calls)],
                            [Break("r0", "named", Rec(), (x,), {}, torch.zeros(1)),
                             Break("r1", "named", Rec(), (x,), {}, torch.zeros(1))])
     graph.replay()
@@ -489,15 +492,7 @@ def test_marked_replay_cuts_each_call_into_steps_and_restores_replay(monkeypatch
     monkeypatch.setattr(torch.cuda, "Event", _Ticking)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     ran = []
-
-    class Graph:
-        def __init__(self, name):
-            self.name = name
-
-        def replay(self):
-            ran.append(self.name)
-
-    pg = PiecewiseGraph(pieces=[Graph("a")])
+    pg = PiecewiseGraph(pieces=[_Piece("a", ran)])
     with pg.marked() as marks:
         with pytest.raises(cg.InputError, match="already being marked"):
             with pg.marked():

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -163,13 +165,10 @@ def per_call(stats: dict[str, pd.DataFrame], range_name: str) -> dict[str, float
         raise InputError(f"no NVTX range {range_name!r} in the report; it has {sorted(set(names))[:20]}")
     calls = int(rows[_column(nvtx, "Instances", "Count")].sum())
     kern = stats.get("cuda_gpu_kern_sum", pd.DataFrame())
-    api = stats.get("cuda_api_sum", pd.DataFrame())
+    per_api = api_calls_per_call(stats, calls)
 
     def api_calls(prefix: str) -> float:
-        if api.empty:
-            return 0.0
-        hit = api[api[_column(api, "Name")].astype(str).str.startswith(prefix)]
-        return float(hit[_column(api, "Num Calls", "Calls", "Count")].sum()) / calls
+        return float(per_api[per_api.index.str.startswith(prefix)].sum())
 
     return {"calls": calls,
             "kernels": float(kern[_column(kern, "Instances", "Count")].sum()) / calls if len(kern) else 0.0,
@@ -195,10 +194,29 @@ def kernels_by_name(stats: dict[str, pd.DataFrame], calls: int) -> pd.Series:
     Raises:
         InputError: ``calls`` < 1.
     """
+    return _per_call_by_name(stats, "cuda_gpu_kern_sum", calls, kernel_base_name, ("Instances", "Count"))
+
+
+def api_calls_per_call(stats: dict[str, pd.DataFrame], calls: int) -> pd.Series:
+    """Runtime and driver API calls per call by function name, from a report's ``cuda_api_sum``, with nsys'
+    version suffixes dropped (``cudaGraphLaunch_v10000`` counts as ``cudaGraphLaunch``); ``calls`` as in
+    :func:`kernels_by_name`. Kernel launches are ``cudaLaunchKernel*`` and, for libraries that launch through
+    the driver API (cuBLAS, cuDNN), ``cuLaunchKernel*``.
+
+    Raises:
+        InputError: ``calls`` < 1.
+    """
+    return _per_call_by_name(stats, "cuda_api_sum", calls, lambda name: re.sub(r"_v\d+$", "", str(name)),
+                             ("Num Calls", "Calls", "Count"))
+
+
+def _per_call_by_name(stats: dict[str, pd.DataFrame], report: str, calls: int, key: Any,
+                      counts: tuple[str, ...]) -> pd.Series:
+    """One report table's counts summed by ``key(name)`` and divided by ``calls``."""
     if not isinstance(calls, int) or calls < 1:
         raise InputError(f"calls must be a positive int (the calls the report holds), got {calls!r}")
-    kern = stats.get("cuda_gpu_kern_sum", pd.DataFrame())
-    if kern.empty:
+    table = stats.get(report, pd.DataFrame())
+    if table.empty:
         return pd.Series(dtype=float, name="per_call")
-    names = kern[_column(kern, "Name")].map(kernel_base_name)
-    return (kern[_column(kern, "Instances", "Count")].groupby(names).sum() / calls).rename("per_call")
+    names = table[_column(table, "Name")].map(key)
+    return (table[_column(table, *counts)].groupby(names).sum() / calls).rename("per_call")
