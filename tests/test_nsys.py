@@ -7,6 +7,7 @@ import stat
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
 
 import cgutils as cg
@@ -125,3 +126,31 @@ def test_recorded_nsys_reports_count_the_kernels_the_recorded_traces_count():
         assert one["kernels"] == len(trace.kernels) / forwards
         assert ns.kernels_by_name(stats, one["calls"]).sort_index().equals(from_trace.sort_index().rename("per_call"))
         assert (one["graph_launch"], one["launch_kernel"] > 0) == ((1.0, False) if label == "replay" else (0.0, True))
+
+
+def test_a_run_that_writes_no_report_is_not_read_as_the_older_one(fake_nsys, tmp_path):
+    """With an older report at --out, a run that wrote none printed the old numbers and exited 0."""
+    old = ns.nsys_profile(["python"], tmp_path / "r", nsys=fake_nsys)
+    ns.nsys_stats(old, nsys=fake_nsys)
+    with pytest.raises(cg.CgutilsError, match="wrote no .*is Nsight Systems' nsys"):
+        ns.nsys_profile(["norep"], tmp_path / "r", nsys=fake_nsys)
+    assert not old.exists()
+    assert main(["nsys", "--nsys", str(fake_nsys), "--out", str(tmp_path / "r"), "--", "norep"]) == 1
+
+
+def test_stats_inputs_are_checked_and_driver_launches_count(fake_nsys, tmp_path):
+    with pytest.raises(cg.InputError, match="list of arguments.*shlex.split"):
+        ns.nsys_profile("python x.py", tmp_path / "s", nsys=fake_nsys)
+    stats = ns.nsys_stats(ns.nsys_profile(["python"], tmp_path / "s", nsys=fake_nsys), nsys=fake_nsys)
+    with pytest.raises(cg.InputError, match=r"closest: \['forward'\]"):
+        ns.per_call(stats, "forwrd")
+    with pytest.raises(cg.InputError, match="dict that nsys_stats"):
+        ns.per_call(None, "forward")
+    with pytest.raises(cg.InputError, match="positive int"):
+        ns.kernels_by_name(stats, True)
+    import numpy as np
+    by_name = ns.kernels_by_name(stats, np.int64(20))
+    assert list(by_name) == sorted(by_name, reverse=True)  # most first
+    driver = pd.DataFrame({"Num Calls": [40, 60], "Name": ["cudaLaunchKernel", "cuLaunchKernelEx"]})
+    one = ns.per_call({**stats, "cuda_api_sum": driver}, "forward")
+    assert one["launch_kernel"] == 5.0  # (40 + 60) / 20: cuBLAS's driver-API launches are kernel launches too

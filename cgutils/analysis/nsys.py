@@ -11,12 +11,14 @@ recorded, so warm-up and capture stay out of the counts.
 
 from __future__ import annotations
 
+import difflib
 import glob
+import numbers
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,19 +89,24 @@ def nsys_profile(command: Sequence[str], out: str | os.PathLike, *, nsys: str | 
         InputError: ``command`` is empty. DependencyError: no nsys. CgutilsError: nsys or the program failed
         (its last lines of output are in the message), or no report was written.
     """
+    if isinstance(command, (str, bytes)):
+        raise InputError(f"nsys_profile needs the command as a list of arguments, e.g. ['python', 'my_script.py'], "
+                         f"not one string ({command!r}): split it with shlex.split")
     command = [str(c) for c in command]
     if not command:
         raise InputError("nsys_profile needs a command to profile, e.g. ['python', 'my_script.py']")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    report = out.with_name(out.name + ".nsys-rep")
+    report.unlink(missing_ok=True)  # else a run that writes none would leave an older report to be read as this one's
     cmd = [str(find_nsys(nsys)), "profile", *NSYS_FLAGS, *(CAPTURE_RANGE_FLAGS if capture_range else ()),
            *extra, "--force-overwrite=true", "-o", str(out), *command]
     _run(cmd, "nsys profile")
-    report = out.with_name(out.name + ".nsys-rep")
     if not report.exists():
-        why = (" With capture_range=True the program must call torch.cuda.profiler.start() and stop()."
+        why = (" Recording only between profiler start and stop (the default; --whole-run / capture_range=False "
+               "records everything), the program must call torch.cuda.profiler.start() and stop()."
                if capture_range else "")
-        raise CgutilsError(f"nsys profile wrote no {report}.{why}")
+        raise CgutilsError(f"nsys profile wrote no {report}. Check that {cmd[0]} is Nsight Systems' nsys.{why}")
     return report
 
 
@@ -116,6 +123,9 @@ def nsys_stats(report: str | os.PathLike, *, reports: Sequence[str] = REPORTS,
         raise InputError(f"no Nsight Systems report at {report}; make one with cgutils' nsys_profile or "
                          f"`python -m cgutils nsys -- python your_script.py`")
     prefix = report.with_suffix("")
+    for name in reports:  # a report with no data of a kind writes no CSV: an older one must not stand in for it
+        for old in prefix.parent.glob(f"{glob.escape(prefix.name)}_{name}*.csv"):
+            old.unlink()
     _run([str(find_nsys(nsys)), "stats", "-r", ",".join(reports), "--format", "csv", "--force-export=true",
           "--force-overwrite=true", "-o", str(prefix), str(report)], "nsys stats")
     return read_nsys_csvs(prefix, reports)
@@ -152,17 +162,22 @@ def _column(frame: pd.DataFrame, *names: str) -> str:
 def per_call(stats: dict[str, pd.DataFrame], range_name: str) -> dict[str, float]:
     """What one call did, from a capture-range report whose calls each ran inside one NVTX range ``range_name``:
     ``calls`` (that range's instances), ``kernels`` (kernel instances per call), ``kernel_us`` (GPU µs of kernels
-    per call), ``range_us`` (the range's median host duration, µs), and per call, ``launch_kernel`` and
-    ``graph_launch`` (runtime calls ``cudaLaunchKernel*`` and ``cudaGraphLaunch*``).
+    per call), ``range_us`` (the range's median host duration, µs), and per call, ``launch_kernel`` (runtime
+    ``cudaLaunchKernel*`` and driver ``cuLaunchKernel*`` calls: cuBLAS and cuDNN launch through the driver) and
+    ``graph_launch`` (``cudaGraphLaunch*`` and ``cuGraphLaunch*``).
 
     Raises:
         InputError: no NVTX range of that name (the message lists those there are).
     """
+    _check_stats(stats)
     nvtx = stats.get("nvtx_sum", pd.DataFrame())
     names = nvtx[_column(nvtx, "Range", "Name")].astype(str).str.lstrip(":") if len(nvtx) else pd.Series([], dtype=str)
     rows = nvtx[names == range_name]
     if rows.empty:
-        raise InputError(f"no NVTX range {range_name!r} in the report; it has {sorted(set(names))[:20]}")
+        known = sorted(set(names))
+        close = difflib.get_close_matches(range_name, known, n=5, cutoff=0.3)
+        raise InputError(f"no NVTX range {range_name!r} in the report; closest: {close or 'none'}; "
+                         f"{len(known)} in all: {known[:20]}")
     calls = int(rows[_column(nvtx, "Instances", "Count")].sum())
     kern = stats.get("cuda_gpu_kern_sum", pd.DataFrame())
     per_api = api_calls_per_call(stats, calls)
@@ -174,7 +189,8 @@ def per_call(stats: dict[str, pd.DataFrame], range_name: str) -> dict[str, float
             "kernels": float(kern[_column(kern, "Instances", "Count")].sum()) / calls if len(kern) else 0.0,
             "kernel_us": float(kern[_column(kern, "Total Time")].sum()) / 1e3 / calls if len(kern) else 0.0,
             "range_us": float(rows[_column(nvtx, "Med")].iloc[0]) / 1e3,
-            "launch_kernel": api_calls("cudaLaunchKernel"), "graph_launch": api_calls("cudaGraphLaunch")}
+            "launch_kernel": api_calls("cudaLaunchKernel") + api_calls("cuLaunchKernel"),
+            "graph_launch": api_calls("cudaGraphLaunch") + api_calls("cuGraphLaunch")}
 
 
 def kernel_base_name(name: str) -> str:
@@ -188,7 +204,7 @@ def kernel_base_name(name: str) -> str:
 
 
 def kernels_by_name(stats: dict[str, pd.DataFrame], calls: int) -> pd.Series:
-    """Kernel instances per call by :func:`kernel_base_name`, from a report's ``cuda_gpu_kern_sum``; ``calls``
+    """Kernel instances per call by :func:`kernel_base_name`, most first, from a report's ``cuda_gpu_kern_sum``; ``calls``
     is the number of calls the report holds (:func:`per_call`'s ``calls``).
 
     Raises:
@@ -213,10 +229,18 @@ def api_calls_per_call(stats: dict[str, pd.DataFrame], calls: int) -> pd.Series:
 def _per_call_by_name(stats: dict[str, pd.DataFrame], report: str, calls: int, key: Any,
                       counts: tuple[str, ...]) -> pd.Series:
     """One report table's counts summed by ``key(name)`` and divided by ``calls``."""
-    if not isinstance(calls, int) or calls < 1:
+    if isinstance(calls, bool) or not isinstance(calls, numbers.Integral) or calls < 1:
         raise InputError(f"calls must be a positive int (the calls the report holds), got {calls!r}")
+    _check_stats(stats)
     table = stats.get(report, pd.DataFrame())
     if table.empty:
         return pd.Series(dtype=float, name="per_call")
     names = table[_column(table, "Name")].map(key)
-    return (table[_column(table, *counts)].groupby(names).sum() / calls).rename("per_call")
+    per_call = table[_column(table, *counts)].groupby(names).sum() / int(calls)
+    return per_call.sort_values(ascending=False, kind="stable").rename("per_call")
+
+
+def _check_stats(stats: object) -> None:
+    if not isinstance(stats, Mapping):
+        raise InputError(f"expected the {{report name: DataFrame}} dict that nsys_stats or read_nsys_csvs returns, "
+                         f"got {type(stats).__name__}")
